@@ -1,0 +1,198 @@
+"""The engine contract: what the gateway may know about any speech engine.
+
+The gateway imports this module and nothing else of `engine`. It is plain Python (numpy for the
+audio arrays); no torch here.
+
+Life of a request:
+
+    stream = engine.open(SynthesisRequest(...))     # raises Overloaded / UnknownVoice / InvalidRequest
+    stream.push(TextSegment("Hello there. ", char_start=0))
+    stream.push(TextSegment("How are you?", char_start=13))
+    stream.close_text()                             # no more text
+    async for chunk in stream:                      # AudioChunk, in order, the last one has final=True
+        ...
+    stream.cancel()                                 # any time, from the event loop; effective at the
+                                                    # engine's next step; iteration then ends
+
+Text arrives as segments (the gateway cuts the client's text at sentence and clause boundaries);
+each segment says where its first character sits in the utterance's text as the client sent it, so
+that word timings can point back into that text (`char_start` / `char_end`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+WordSource = Literal["engine", "aligner", "estimate"]
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first."""
+
+    INTERACTIVE = 0
+    BULK = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TextSegment:
+    text: str
+    # offset of text[0] in the utterance's text as the client sent it
+    char_start: int
+    # language of this segment ("English", "Chinese", ... or None = the request's language)
+    language: str | None = None
+    # optional per-character map into the client's text, when the gateway removed markup
+    # (len == len(text)); None means text[i] sits at char_start + i
+    char_map: tuple[int, ...] | None = None
+
+    def source_offset(self, i: int) -> int:
+        """Offset in the client's text of self.text[i] (i may equal len(text): the end)."""
+        if self.char_map is None:
+            return self.char_start + i
+        if i >= len(self.char_map):
+            return (self.char_map[-1] + 1) if self.char_map else self.char_start
+        return self.char_map[i]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSchedule:
+    """Frames per audio chunk: the first chunks small for time to first audio, then growing."""
+
+    first: int = 1
+    growth: float = 2.0
+    largest: int = 25
+
+
+@dataclass(frozen=True, slots=True)
+class SynthesisRequest:
+    request_id: str
+    voice: str | None = None  # preset speaker, registered voice id, or None = engine default
+    language: str = "Auto"
+    instructions: str | None = None
+    priority: Priority = Priority.INTERACTIVE
+    seed: int | None = None
+    # sampling: None = the engine's defaults (Qwen3: upstream generation_config values)
+    greedy: bool = False
+    max_frames: int | None = None
+    # benchmark mode: EOS masked until this many frames, forced at it
+    forced_frames: int | None = None
+    # reference clip for a one-off voice clone (mono float32, its rate, its transcript)
+    ref_audio: tuple[npt.NDArray[np.float32], int] | None = None
+    ref_text: str | None = None
+    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+    speed: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WordTiming:
+    """One word on the utterance's audio timeline (engine sample rate)."""
+
+    text: str
+    start_sample: int
+    end_sample: int
+    char_start: int  # offsets into the utterance's text as the client sent it
+    char_end: int
+    source: WordSource = "engine"
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    request_id: str
+    # mono float32 in [-1, 1] at Engine.sample_rate; may be empty (e.g. a words-only or final chunk)
+    samples: npt.NDArray[np.float32]
+    # index of samples[0] on the utterance's timeline
+    sample_offset: int
+    # words whose timing became known with this chunk (never changed once sent)
+    words: tuple[WordTiming, ...] = ()
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A snapshot for admission control, /readyz and /metrics."""
+
+    active: int  # requests producing audio
+    queued: int  # admitted, waiting for a slot
+    capacity: int  # active slots
+    queue_limit: int  # queued beyond this -> Overloaded
+    ready: bool = True
+    extra: dict[str, float] = field(default_factory=dict)  # engine-specific figures
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    name: str
+    model: str
+    sample_rate: int
+    voices: tuple[str, ...] = ()
+    languages: tuple[str, ...] = ()
+    default_voice: str | None = None
+
+
+class EngineError(Exception):
+    """Base of the errors an engine reports; `code` is the protocol's error code."""
+
+    code = "internal"
+
+
+class Overloaded(EngineError):
+    code = "overloaded"
+
+    def __init__(self, message: str = "engine at capacity", retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnknownVoice(EngineError):
+    code = "unknown_voice"
+
+
+class InvalidRequest(EngineError):
+    code = "invalid_request"
+
+
+class InvalidAudio(InvalidRequest):
+    code = "invalid_audio"
+
+
+@runtime_checkable
+class SynthesisStream(Protocol):
+    request_id: str
+
+    def push(self, segment: TextSegment) -> None:
+        """Queue more text; synthesis of it may begin at once."""
+
+    def close_text(self) -> None:
+        """No more text will come; the stream ends after the last segment's audio."""
+
+    def cancel(self) -> None:
+        """Stop now: no chunk is produced after the engine's next step; iteration ends."""
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    info: EngineInfo
+
+    async def start(self) -> None:
+        """Load models, capture graphs; returns when ready to serve."""
+
+    async def stop(self) -> None:
+        """Cancel everything in flight and release resources."""
+
+    def load(self) -> EngineLoad: ...
+
+    def open(self, request: SynthesisRequest) -> SynthesisStream:
+        """Admit a request (raises Overloaded, UnknownVoice, InvalidRequest)."""
+        ...
+
+    async def register_voice(
+        self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
+    ) -> None:
+        """Prepare a reusable voice from a reference clip (raises InvalidAudio, InvalidRequest)."""
