@@ -1,0 +1,78 @@
+"""`cadence serve | say | bench`. Every flag of `serve` can also be set by an environment variable
+(CADENCE_<FLAG>, e.g. CADENCE_PORT=9000); a flag on the command line wins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cadence.engines import ENGINES, EngineOptions
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"CADENCE_{name.upper()}", default)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cadence serve", description="Run the speech gateway.")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("port", "8000") or 8000))
+    p.add_argument("--engine", choices=ENGINES, default=_env("engine", "espeak"))
+    p.add_argument("--model", default=_env("model", None), help="Qwen3-TTS checkpoint directory")
+    p.add_argument("--aligner", default=_env("aligner", None), help="Qwen3-ForcedAligner directory")
+    p.add_argument("--device", default=_env("device", "auto"))
+    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
+                   help="no CUDA graphs")
+    p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
+    p.add_argument("--log-level", default=_env("log_level", "info"))
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    args = _serve_parser().parse_args(argv)
+    from gateway.config import GatewayConfig
+    from gateway.server import serve
+
+    from cadence.engines import build_engine
+
+    engine = build_engine(EngineOptions(
+        name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
+        dtype=args.dtype, eager=args.eager, max_streams=args.max_streams,
+    ))
+    serve(engine, host=args.host, port=args.port, config=GatewayConfig(), log_level=args.log_level)
+    return 0
+
+
+USAGE = """usage: cadence <command> [options]
+
+commands:
+  serve   run the gateway (cadence serve --help)
+  say     speak a text through a running gateway into a WAV file (cadence say --help)
+  bench   the closed-loop load test / benchmark (cadence bench --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve_main(rest)
+    if command == "say":
+        from clients.say import say_main
+
+        return say_main(rest)
+    if command == "bench":
+        from clients.loadtest import bench_main
+
+        return bench_main(rest)
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
