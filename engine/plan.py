@@ -1,0 +1,92 @@
+"""What crosses between the scheduler and the runner each step (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    request_id: str
+    kv_slot: int  # talker cache row written by this chunk
+    codec_slot: int  # the request's Code2Wav row (for sampling state keyed per stream)
+    start: int  # first position of the chunk in the segment's talker sequence
+    length: int  # positions in the chunk (start + length <= the segment's context target)
+    # positions [prompt_len, prompt_len + frames) re-embed already generated frames (a resume after
+    # preemption); the runner rebuilds them from `codes`
+    prompt_len: int
+    payload: Any  # the segment's prompt data, opaque to the scheduler
+    samples_frame: bool  # the chunk completes the context: its last position samples a frame
+    frame_index: int  # index within the segment of the frame sampled (valid if samples_frame)
+    new_segment: bool  # first chunk of a fresh segment: reset the slot's per-segment sampling state
+    codes: list[list[int]] = field(default_factory=list)  # segment frames to re-embed on a resume
+    sampling: Any = None  # the request's sampling parameters
+
+
+@dataclass(slots=True)
+class DecodeRow:
+    request_id: str
+    kv_slot: int  # talker cache row
+    codec_slot: int
+    position: int  # position of the input (the previous frame) in the segment's talker sequence
+    frame_index: int  # index within the segment of the frame this step samples (>= 1)
+    payload: Any  # the segment's prompt data (trailing text track for streaming text input)
+    sampling: Any = None
+
+
+@dataclass(slots=True)
+class CodecChunk:
+    request_id: str
+    codec_slot: int  # Code2Wav state row
+    first_frame: int  # index on the request's frame timeline of codes[0]
+    codes: list[list[int]]  # the frames to decode now, [num_frames][16]
+    first_chunk: bool  # the request's first chunk (scheduled first, counts for TTFA)
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.codes)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int  # step counter, increasing by one per schedule()
+    decode: list[DecodeRow] = field(default_factory=list)  # one frame each, batched (CUDA graph)
+    prefill: list[PrefillChunk] = field(default_factory=list)  # prompt chunks, batched and padded
+    codec: list[CodecChunk] = field(default_factory=list)  # Code2Wav work, grouped by frame count
+    codec_resets: list[int] = field(default_factory=list)  # codec rows given to new requests: zero them
+    freed_kv_slots: list[int] = field(default_factory=list)  # talker rows released since the last plan
+    num_prefill_tokens: int = 0  # sum of chunk lengths (the step's token budget minus decode rows)
+
+    @property
+    def sampling_rows(self) -> list[str]:
+        """Request ids in the order of StepOutput.codes: decode rows, then completing chunks."""
+        return [r.request_id for r in self.decode] + [c.request_id for c in self.prefill if c.samples_frame]
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.decode or self.prefill or self.codec or self.codec_resets)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    # sampled frames in plan.sampling_rows order: 16 codes each (one host transfer per step)
+    codes: list[list[int]] = field(default_factory=list)
+    # request id -> float32 samples of its codec chunk (num_frames * samples_per_frame)
+    audio: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (scheduler -> engine front end)."""
+
+    request_id: str
+    audio: npt.NDArray[np.float32] | None = None  # a decoded chunk
+    sample_offset: int = 0  # index of audio[0] on the utterance's timeline
+    finished_segments: list[Any] = field(default_factory=list)  # request.Segment objects just completed
+    finished: bool = False  # the request has ended (see status)
+    status: Any = None  # request.RequestStatus after this step
+    error: str | None = None

@@ -1,0 +1,407 @@
+"""Continuous batching for the talker and Code2Wav: which rows run in the next step (no torch).
+
+Every step:
+1. admission: waiting requests take a free talker slot (and a Code2Wav row on first admission),
+   interactive before bulk, then the earliest deadline; an interactive request may preempt a
+   bulk one when no talker slot is free (the bulk one later recomputes its context);
+2. decode: every request in DECODING samples one frame;
+3. chunked prefill: prompts fill the rest of the step's token budget, a chunk at a time, so a new
+   request's first frame never waits behind a long prompt;
+4. Code2Wav: per request, the next chunk of its schedule (1-2 frames first, then growing) when
+   enough frames are ready, or sooner when the listener's buffer would otherwise run dry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.kv_cache import KVCacheManager, SlotPool
+from engine.plan import CodecChunk, DecodeRow, PrefillChunk, RequestOutput, StepOutput, StepPlan
+from engine.request import Request, RequestStatus, Segment
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_batch: int = 64  # rows sampling a frame per step (decode rows + prefill chunks)
+    max_tokens_per_step: int = 512  # decode rows count one token each; prefill fills the rest
+    max_prefill_chunk: int = 256  # positions of one request's prompt per step
+    codec_slots: int = 64  # Code2Wav state rows = requests active at once (capacity)
+    queue_limit: int = 256  # requests waiting beyond the active ones; more -> Overloaded
+    max_codec_rows: int = 64  # Code2Wav rows per step
+    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)  # allowed chunk sizes (graph buckets)
+    eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
+    ttfa_target_s: float = 0.025
+    safety_margin_s: float = 0.1  # emit a short chunk when the buffer would run dry sooner than this
+    preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_tokens_per_step < 1 or self.max_prefill_chunk < 1:
+            raise ValueError("max_batch, max_tokens_per_step and max_prefill_chunk must be positive")
+        if not self.codec_frame_buckets or min(self.codec_frame_buckets) != 1:
+            raise ValueError("codec_frame_buckets must contain 1")
+        self.codec_frame_buckets = tuple(sorted(set(self.codec_frame_buckets)))
+
+
+def chunk_frames(schedule: ChunkSchedule, index: int) -> int:
+    """Frames in chunk `index` of a schedule: first, first*growth, ... capped at largest."""
+    size = round(schedule.first * schedule.growth**index) if index < 64 else schedule.largest
+    return max(1, min(schedule.largest, int(size)))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.codec_pool = SlotPool(config.codec_slots)
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # status WAITING, ordered at each schedule()
+        self.running: list[Request] = []  # PREFILLING / DECODING (hold a talker slot)
+        self.step_time_s = 0.02  # running mean of the step duration (deadline estimates)
+        self._step = 0
+        self._freed_kv: list[int] = []
+        self._codec_resets: list[int] = []
+        self._last_schedule: float | None = None
+
+    # -- inputs (called between steps) -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.requests) >= self.config.codec_slots + self.config.queue_limit:
+            raise Overloaded(retry_after_s=max(0.5, self.step_time_s * 50))
+        self.requests[request.request_id] = request
+        if request.segments:
+            self._start_next_segment(request)
+        elif request.text_closed:
+            request.status = RequestStatus.FINISHED_STOPPED
+            del self.requests[request.request_id]
+
+    def add_segment(self, request_id: str, segment: Segment) -> None:
+        r = self.requests.get(request_id)
+        if r is None or r.is_finished:
+            return
+        if r.text_closed:
+            raise ValueError(f"request {request_id!r}: text already closed")
+        r.segments.append(segment)
+        if r.status == RequestStatus.WAITING_FOR_TEXT:
+            self._start_next_segment(r)
+
+    def close_text(self, request_id: str) -> list[RequestOutput]:
+        r = self.requests.get(request_id)
+        if r is None or r.is_finished:
+            return []
+        r.text_closed = True
+        if r.status == RequestStatus.WAITING_FOR_TEXT:
+            r.status = RequestStatus.DRAINING
+            return self._finish_if_drained(r)
+        return []
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is not None and not r.is_finished:
+                outs.append(self._finish(r, RequestStatus.FINISHED_CANCELLED))
+        return outs
+
+    def fail(self, request_ids: Iterable[str], error: str) -> list[RequestOutput]:
+        outs = []
+        for rid in request_ids:
+            r = self.requests.get(rid)
+            if r is not None and not r.is_finished:
+                r.error = error
+                outs.append(self._finish(r, RequestStatus.FINISHED_ERROR))
+        return outs
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        now = self.clock()
+        self._last_schedule = now
+        self._step += 1
+        plan = StepPlan(step=self._step)
+        self._admit()
+        budget = self.config.max_tokens_per_step
+        rows = 0
+        self.running.sort(key=Request.sort_key)
+        for r in self.running:
+            seg = r.current
+            if r.status != RequestStatus.DECODING or seg is None or rows >= self.config.max_batch:
+                continue
+            if budget <= 0:
+                break
+            plan.decode.append(
+                DecodeRow(
+                    request_id=r.request_id,
+                    kv_slot=_slot(r.kv_slot),
+                    codec_slot=_slot(r.codec_slot),
+                    position=seg.prefilled,
+                    frame_index=seg.frames,
+                    payload=seg.payload,
+                    sampling=r.sampling,
+                )
+            )
+            budget -= 1
+            rows += 1
+        for r in self.running:
+            seg = r.current
+            if r.status != RequestStatus.PREFILLING or seg is None:
+                continue
+            if budget <= 0 or rows >= self.config.max_batch:
+                break
+            remaining = seg.context_target - seg.prefilled
+            n = min(remaining, budget, self.config.max_prefill_chunk)
+            start = seg.prefilled
+            plan.prefill.append(
+                PrefillChunk(
+                    request_id=r.request_id,
+                    kv_slot=_slot(r.kv_slot),
+                    codec_slot=_slot(r.codec_slot),
+                    start=start,
+                    length=n,
+                    prompt_len=seg.prompt_len,
+                    payload=seg.payload,
+                    samples_frame=n == remaining,
+                    frame_index=seg.frames,
+                    new_segment=start == 0 and seg.frames == 0,
+                    codes=r.codes[seg.first_frame : seg.first_frame + seg.frames] if seg.frames else [],
+                    sampling=r.sampling,
+                )
+            )
+            budget -= n
+            rows += 1
+            plan.num_prefill_tokens += n
+        plan.codec = self._schedule_codec(now)
+        plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
+        plan.codec_resets, self._codec_resets = self._codec_resets, []
+        return plan
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
+        now = self.clock()
+        if self._last_schedule is not None:
+            self.step_time_s = 0.9 * self.step_time_s + 0.1 * max(0.0, now - self._last_schedule)
+        outs: dict[str, RequestOutput] = {}
+
+        def out_for(r: Request) -> RequestOutput:
+            return outs.setdefault(r.request_id, RequestOutput(r.request_id))
+
+        for chunk in plan.prefill:
+            r = self._live(chunk.request_id)
+            if r is not None and r.current is not None:
+                r.current.prefilled += chunk.length
+                self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
+        for row in plan.decode:
+            r = self._live(row.request_id)
+            if r is not None and r.current is not None:
+                r.current.prefilled += 1
+                self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
+        rows = plan.sampling_rows
+        if len(output.codes) != len(rows):
+            raise ValueError(f"runner returned {len(output.codes)} frames for {len(rows)} rows")
+        for rid, codes in zip(rows, output.codes, strict=True):
+            r = self._live(rid)
+            if r is not None:
+                self._append_frame(r, codes, out_for)
+        for chunk in plan.codec:
+            r = self._live(chunk.request_id)
+            if r is None:
+                continue
+            audio = output.audio.get(chunk.request_id)
+            o = out_for(r)
+            o.sample_offset = r.samples_emitted
+            o.audio = audio
+            r.frames_decoded += chunk.num_frames
+            r.chunks_emitted += 1
+            if r.first_audio_time is None:
+                r.first_audio_time = now
+        for o in outs.values():
+            r = self.requests.get(o.request_id)
+            if r is not None:
+                for fin in self._finish_if_drained(r):
+                    o.finished = fin.finished
+                o.status = r.status
+        return list(outs.values())
+
+    # -- load ---------------------------------------------------------------------------------
+    @property
+    def num_active(self) -> int:
+        return self.codec_pool.num_used
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for r in self.requests.values() if r.codec_slot is None)
+
+    def has_work(self) -> bool:
+        """True when schedule() would produce something to run."""
+        if self.running or self._freed_kv or self._codec_resets:
+            return True
+        if any(r.frames_pending > 0 for r in self.requests.values() if r.codec_slot is not None):
+            return True
+        return any(self._can_admit(r) for r in self.waiting)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _live(self, request_id: str) -> Request | None:
+        r = self.requests.get(request_id)
+        return None if r is None or r.is_finished else r
+
+    def _start_next_segment(self, r: Request) -> None:
+        seg = r.segments.popleft()
+        seg.first_frame = r.frames_generated
+        seg.prefilled = 0
+        r.current = seg
+        if r.kv_slot is not None:  # back to back: keep the talker slot
+            self.kv.set_length(r.kv_slot, 0)
+            r.status = RequestStatus.PREFILLING
+        else:
+            r.status = RequestStatus.WAITING
+            self.waiting.append(r)
+
+    def _can_admit(self, r: Request) -> bool:
+        if r.codec_slot is None and self.codec_pool.num_free == 0:
+            return False
+        if self.kv.num_free > 0:
+            return True
+        return self._victim_for(r) is not None
+
+    def _victim_for(self, r: Request) -> Request | None:
+        if not self.config.preempt_bulk or r.priority != Priority.INTERACTIVE:
+            return None
+        bulk = [v for v in self.running if v.priority > r.priority]
+        return max(bulk, key=lambda v: v.deadline, default=None)
+
+    def _admit(self) -> None:
+        self.waiting.sort(key=Request.sort_key)
+        still: list[Request] = []
+        for r in self.waiting:
+            if not self._can_admit(r):
+                still.append(r)
+                continue
+            if self.kv.num_free == 0:
+                victim = self._victim_for(r)
+                assert victim is not None
+                self._preempt(victim)
+                still.append(victim)
+            if r.codec_slot is None:
+                r.codec_slot = self.codec_pool.allocate(r.request_id)
+                self._codec_resets.append(_slot(r.codec_slot))
+            r.kv_slot = self.kv.allocate(r.request_id)
+            assert r.current is not None
+            r.current.prefilled = 0
+            r.status = RequestStatus.PREFILLING
+            self.running.append(r)
+        self.waiting = still
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._release_kv(r)
+        assert r.current is not None
+        r.current.prefilled = 0
+        r.status = RequestStatus.WAITING
+        r.preemptions += 1
+
+    def _release_kv(self, r: Request) -> None:
+        if r.kv_slot is not None:
+            self.kv.free(r.kv_slot)
+            self._freed_kv.append(r.kv_slot)
+            r.kv_slot = None
+
+    def _segment_cap(self, seg: Segment) -> int:
+        return max(1, min(seg.max_frames, self.kv.layout.max_len - seg.prompt_len))
+
+    def _append_frame(
+        self, r: Request, codes: list[int], out_for: Callable[[Request], RequestOutput]
+    ) -> None:
+        seg = r.current
+        assert seg is not None
+        if codes[0] == self.config.eos_code:
+            seg.done = True
+        else:
+            r.codes.append(list(codes))
+            seg.frames += 1
+            seg.done = seg.frames >= self._segment_cap(seg)
+        if not seg.done:
+            r.status = RequestStatus.DECODING
+            return
+        r.done_segments.append(seg)
+        out_for(r).finished_segments.append(seg)
+        r.current = None
+        if r.segments:
+            self._start_next_segment(r)
+            return
+        self.running.remove(r)
+        self._release_kv(r)
+        r.status = RequestStatus.DRAINING if r.text_closed else RequestStatus.WAITING_FOR_TEXT
+
+    def _finish_if_drained(self, r: Request) -> list[RequestOutput]:
+        if r.status == RequestStatus.DRAINING and r.frames_pending == 0:
+            return [self._finish(r, RequestStatus.FINISHED_STOPPED)]
+        return []
+
+    def _finish(self, r: Request, status: RequestStatus) -> RequestOutput:
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._release_kv(r)
+        if r.codec_slot is not None:
+            self.codec_pool.free(r.codec_slot)
+            r.codec_slot = None
+        r.status = status
+        self.requests.pop(r.request_id, None)
+        return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
+
+    def _snap(self, frames: int) -> int:
+        best = 0
+        for b in self.config.codec_frame_buckets:
+            if b <= frames:
+                best = b
+        return best
+
+    def _codec_frames(self, r: Request, now: float) -> int:
+        """Frames of r to decode this step (0 = wait for more)."""
+        pending = r.frames_pending
+        target = self._snap(chunk_frames(r.schedule, r.chunks_emitted))
+        if pending >= target:
+            return target
+        if not r.status.holds_kv:  # no frame is coming soon: flush what is there
+            return self._snap(pending)
+        if r.chunks_emitted == 0:
+            return 0
+        slack = r.deadline - now
+        if slack < (target - pending) * self.step_time_s + self.config.safety_margin_s:
+            return self._snap(pending)
+        return 0
+
+    def _schedule_codec(self, now: float) -> list[CodecChunk]:
+        ready = [r for r in self.requests.values() if r.codec_slot is not None and r.frames_pending > 0]
+        ready.sort(key=lambda r: (r.chunks_emitted > 0, r.deadline))
+        work: list[CodecChunk] = []
+        for r in ready:
+            if len(work) >= self.config.max_codec_rows:
+                break
+            n = self._codec_frames(r, now)
+            if n:
+                start = r.frames_decoded
+                work.append(
+                    CodecChunk(
+                        request_id=r.request_id,
+                        codec_slot=_slot(r.codec_slot),
+                        first_frame=start,
+                        codes=r.codes[start : start + n],
+                        first_chunk=r.chunks_emitted == 0,
+                    )
+                )
+        return work
+
+
+def _slot(slot: int | None) -> int:
+    if slot is None:
+        raise RuntimeError("request holds no slot")
+    return slot

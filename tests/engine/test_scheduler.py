@@ -1,0 +1,383 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.request import RequestStatus
+from engine.scheduler import SchedulerConfig, chunk_frames
+from tests.engine.utils import (
+    FakeClock,
+    create_requests,
+    create_scheduler,
+    fake_output,
+    make_segment,
+    run_steps,
+)
+
+
+def test_new_request_is_prefilled_and_samples_its_first_frame_in_one_step():
+    sched = create_scheduler()
+    (r,) = create_requests(1, prompt_len=12)
+    sched.add_request(r)
+    plan = sched.schedule()
+    assert [c.length for c in plan.prefill] == [12]
+    assert plan.prefill[0].samples_frame and plan.prefill[0].new_segment
+    assert plan.sampling_rows == ["r0"]
+    sched.update(plan, fake_output(plan))
+    assert r.status == RequestStatus.DECODING
+    assert r.frames_generated == 1
+    assert sched.kv.length(r.kv_slot) == 12
+
+
+def test_decode_rows_feed_positions_after_the_prompt():
+    sched = create_scheduler()
+    (r,) = create_requests(1, prompt_len=5)
+    sched.add_request(r)
+    plans, _ = run_steps(sched, 3)
+    assert [d.position for p in plans[1:] for d in p.decode] == [5, 6]
+    assert [d.frame_index for p in plans[1:] for d in p.decode] == [1, 2]
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples():
+    sched = create_scheduler(max_prefill_chunk=256, max_len=1024)
+    (r,) = create_requests(1, prompt_len=600)
+    sched.add_request(r)
+    plans, _ = run_steps(sched, 3)
+    chunks = [c for p in plans for c in p.prefill]
+    assert [(c.start, c.length, c.samples_frame) for c in chunks] == [
+        (0, 256, False),
+        (256, 256, False),
+        (512, 88, True),
+    ]
+    assert r.frames_generated == 1
+
+
+def test_short_request_is_not_stuck_behind_a_long_prompt():
+    sched = create_scheduler(max_prefill_chunk=128, max_tokens_per_step=256, max_len=2048)
+    (long_r,) = create_requests(1, prompt_len=1500, prefix="long")
+    (short_r,) = create_requests(1, prompt_len=20, prefix="short", arrival_time=0.001)
+    sched.add_request(long_r)
+    sched.add_request(short_r)
+    plan = sched.schedule()
+    assert {c.request_id: c.length for c in plan.prefill} == {"long0": 128, "short0": 20}
+    sched.update(plan, fake_output(plan))
+    assert short_r.frames_generated == 1 and long_r.frames_generated == 0
+
+
+def test_decode_rows_take_the_token_budget_first():
+    sched = create_scheduler(max_tokens_per_step=6, max_prefill_chunk=100)
+    for r in create_requests(4, prompt_len=1):
+        sched.add_request(r)
+    run_steps(sched, 1)  # four one-token prompts: all decoding now
+    (late,) = create_requests(1, prompt_len=50, prefix="late")
+    sched.add_request(late)
+    plan = sched.schedule()
+    assert len(plan.decode) == 4
+    assert [(c.request_id, c.length) for c in plan.prefill] == [("late0", 2)]
+    assert plan.num_prefill_tokens + len(plan.decode) == 6
+
+
+def test_max_batch_bounds_rows_per_step():
+    sched = create_scheduler(num_kv_slots=8, max_batch=3)
+    for r in create_requests(5, prompt_len=2):
+        sched.add_request(r)
+    plan = sched.schedule()
+    assert len(plan.sampling_rows) == 3
+
+
+def test_eos_ends_the_segment_without_a_frame_and_frees_the_slot_for_the_next_request():
+    sched = create_scheduler(num_kv_slots=1)
+    a, b = create_requests(2, prompt_len=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert plan.sampling_rows == ["r0"]
+    sched.update(plan, fake_output(plan))
+    plan = sched.schedule()
+    sched.update(plan, fake_output(plan, eos_for={"r0"}))
+    assert a.frames_generated == 1  # the EOS step added no frame
+    assert a.kv_slot is None and a.status in (RequestStatus.DRAINING, RequestStatus.FINISHED_STOPPED)
+    plan = sched.schedule()  # slot refilled at the very next step
+    assert [c.request_id for c in plan.prefill] == ["r1"]
+    assert plan.freed_kv_slots == [0]
+
+
+def test_segment_stops_at_max_frames_and_at_the_cache_length():
+    sched = create_scheduler(max_len=20)
+    (a,) = create_requests(1, prompt_len=5, max_frames=4, prefix="a")
+    (b,) = create_requests(1, prompt_len=15, max_frames=100, prefix="b")
+    sched.add_request(a)
+    sched.add_request(b)
+    run_steps(sched, 12)
+    assert a.frames_generated == 4
+    assert b.frames_generated == 5  # positions 15..19 hold frames 0..4 inputs at most
+
+
+def test_overloaded_beyond_capacity_plus_queue_limit():
+    sched = create_scheduler(codec_slots=2, queue_limit=1)
+    reqs = create_requests(4)
+    for r in reqs[:3]:
+        sched.add_request(r)
+    with pytest.raises(Overloaded):
+        sched.add_request(reqs[3])
+    plan = sched.schedule()
+    assert len(plan.prefill) == 2  # the third waits for a Code2Wav row
+    assert sched.num_active == 2 and sched.num_queued == 1
+
+
+def test_queued_request_is_admitted_when_a_request_finishes():
+    sched = create_scheduler(codec_slots=1, queue_limit=4)
+    a, b = create_requests(2, prompt_len=2, max_frames=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(12):
+        if b.frames_generated:
+            break
+        plan = sched.schedule()
+        sched.update(plan, fake_output(plan))
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert b.frames_generated >= 1
+
+
+def test_duplicate_request_id_is_rejected():
+    sched = create_scheduler()
+    (r,) = create_requests(1)
+    sched.add_request(r)
+    with pytest.raises(ValueError):
+        sched.add_request(create_requests(1)[0])
+
+
+def test_interactive_admitted_before_bulk():
+    sched = create_scheduler(num_kv_slots=1)
+    (bulk,) = create_requests(1, priority=Priority.BULK, prefix="bulk")
+    (inter,) = create_requests(1, prefix="inter", arrival_time=1.0)
+    sched.add_request(bulk)
+    sched.add_request(inter)
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.prefill] == ["inter0"]
+
+
+def test_interactive_preempts_bulk_which_later_resumes_with_recompute():
+    clock = FakeClock()
+    sched = create_scheduler(num_kv_slots=1, clock=clock)
+    (bulk,) = create_requests(1, prompt_len=4, priority=Priority.BULK, prefix="bulk", max_frames=5)
+    sched.add_request(bulk)
+    run_steps(sched, 3, clock)
+    assert bulk.frames_generated == 3
+    (inter,) = create_requests(1, prompt_len=2, max_frames=2, prefix="inter", arrival_time=clock.t)
+    sched.add_request(inter)
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.prefill] == ["inter0"] and not plan.decode
+    assert bulk.status == RequestStatus.WAITING and bulk.preemptions == 1
+    sched.update(plan, fake_output(plan))
+    for _ in range(10):
+        plan = sched.schedule()
+        resumed = [c for c in plan.prefill if c.request_id == "bulk0"]
+        sched.update(plan, fake_output(plan))
+        if resumed:
+            break
+    (chunk,) = resumed
+    # the context is rebuilt: prompt (4) + the 3 frames generated before the preemption
+    assert (chunk.start, chunk.length, chunk.prompt_len, chunk.new_segment) == (0, 7, 4, False)
+    assert chunk.codes == bulk.codes[:3] and chunk.frame_index == 3
+    run_steps(sched, 5)
+    assert bulk.frames_generated == 5
+
+
+def test_bulk_does_not_preempt_and_preemption_can_be_disabled():
+    sched = create_scheduler(num_kv_slots=1, preempt_bulk=False)
+    (bulk,) = create_requests(1, priority=Priority.BULK, prefix="bulk")
+    sched.add_request(bulk)
+    run_steps(sched, 1)
+    (inter,) = create_requests(1, prefix="inter")
+    sched.add_request(inter)
+    plan = sched.schedule()
+    assert plan.sampling_rows == ["bulk0"] and inter.status == RequestStatus.WAITING
+
+
+def test_abort_frees_slots_at_the_next_step():
+    sched = create_scheduler(num_kv_slots=1, codec_slots=1)
+    a, b = create_requests(2, prompt_len=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_steps(sched, 2)
+    outs = sched.abort(["r0"])
+    assert outs[0].finished and outs[0].status == RequestStatus.FINISHED_CANCELLED
+    assert a.kv_slot is None and a.codec_slot is None
+    plan = sched.schedule()
+    assert "r0" not in plan.sampling_rows and [c.request_id for c in plan.prefill] == ["r1"]
+    assert sched.abort(["r0", "missing"]) == []
+
+
+def test_update_ignores_rows_of_a_request_aborted_mid_step():
+    sched = create_scheduler()
+    (a,) = create_requests(1)
+    sched.add_request(a)
+    plan = sched.schedule()
+    sched.abort(["r0"])
+    assert sched.update(plan, fake_output(plan)) == []
+    assert a.frames_generated == 0
+
+
+def test_chunk_frames_grow_to_the_largest():
+    s = ChunkSchedule(first=1, growth=2.0, largest=25)
+    assert [chunk_frames(s, i) for i in range(7)] == [1, 2, 4, 8, 16, 25, 25]
+    assert chunk_frames(ChunkSchedule(first=2), 0) == 2
+    assert chunk_frames(s, 1000) == 25
+
+
+def _codec_sizes(sched, clock, steps, dt=0.01):
+    sizes = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        sizes += [c.num_frames for c in plan.codec]
+        clock.t += dt
+        sched.update(plan, fake_output(plan))
+    return sizes
+
+
+def test_codec_chunks_follow_the_schedule_when_the_buffer_allows():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, safety_margin_s=0.0)
+    (r,) = create_requests(1, prompt_len=3, max_frames=80)
+    sched.add_request(r)
+    sizes = _codec_sizes(sched, clock, 90)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 25]
+    assert sum(sizes) == 80
+    assert all(s in (1, 2, 4, 8, 16, 25) for s in sizes)
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert r.ttfa is not None and r.ttfa == pytest.approx(0.02)  # prefill step, then the codec step
+
+
+def test_codec_keeps_a_safety_margin_before_growing():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, safety_margin_s=0.1)
+    (r,) = create_requests(1, prompt_len=3, max_frames=80)
+    sched.add_request(r)
+    sizes = _codec_sizes(sched, clock, 90)
+    # one frame per chunk until the listener holds more than the margin, then the schedule grows
+    assert sizes[:3] == [1, 1, 1] and max(sizes) == 25 and sum(sizes) == 80
+
+
+def test_codec_emits_early_when_the_listeners_buffer_runs_low():
+    clock = FakeClock()
+    # slow steps: 60 ms per frame, almost real time (80 ms)
+    sched = create_scheduler(clock=clock, safety_margin_s=0.1)
+    (r,) = create_requests(1, prompt_len=3, max_frames=60)
+    sched.add_request(r)
+    sizes = _codec_sizes(sched, clock, 70, dt=0.06)
+    assert sizes[0] == 1
+    # growth would ask for 2, 4, 8... but the buffer never holds enough to wait for them
+    assert max(sizes) <= 2
+    assert sum(sizes) == 60
+
+
+def test_first_chunks_go_before_later_ones():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, max_codec_rows=1)
+    (old,) = create_requests(1, prompt_len=1, prefix="old")
+    sched.add_request(old)
+    _codec_sizes(sched, clock, 4)
+    assert old.chunks_emitted >= 1
+    (new,) = create_requests(1, prompt_len=1, prefix="new", arrival_time=clock.t)
+    sched.add_request(new)
+    for _ in range(3):
+        plan = sched.schedule()
+        if plan.codec and plan.codec[0].request_id == "new0":
+            break
+        sched.update(plan, fake_output(plan))
+    assert plan.codec[0].request_id == "new0" and plan.codec[0].first_chunk
+
+
+def test_final_flush_uses_bucket_sizes():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, codec_frame_buckets=(1, 4))
+    (r,) = create_requests(1, prompt_len=1, max_frames=7, schedule=ChunkSchedule(first=4, largest=4))
+    sched.add_request(r)
+    sizes = _codec_sizes(sched, clock, 12)
+    assert sizes == [4, 1, 1, 1]
+
+
+def test_segments_run_back_to_back_on_one_slot_with_one_codec_timeline():
+    sched = create_scheduler()
+    (r,) = create_requests(1, prompt_len=3, max_frames=2, segments=3)
+    sched.add_request(r)
+    slot = None
+    finished = []
+    for _ in range(20):
+        plan = sched.schedule()
+        for c in plan.prefill:
+            slot = c.kv_slot if slot is None else slot
+            assert c.kv_slot == slot
+        for o in sched.update(plan, fake_output(plan)):
+            finished += o.finished_segments
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert [s.first_frame for s in finished] == [0, 2, 4]
+    assert r.frames_decoded == 6
+
+
+def test_streamed_text_waits_then_finishes_after_close():
+    sched = create_scheduler()
+    (r,) = create_requests(1, prompt_len=2, max_frames=2, closed=False)
+    sched.add_request(r)
+    run_steps(sched, 6)
+    assert r.status == RequestStatus.WAITING_FOR_TEXT and r.kv_slot is None and r.codec_slot is not None
+    assert not sched.has_work()
+    sched.add_segment("r0", make_segment(prompt_len=2, max_frames=3))
+    assert r.status == RequestStatus.WAITING and sched.has_work()
+    run_steps(sched, 8)
+    assert r.frames_generated == 5 and r.frames_decoded == 5
+    outs = sched.close_text("r0")
+    assert outs and outs[0].finished and r.status == RequestStatus.FINISHED_STOPPED
+    assert sched.num_active == 0
+
+
+def test_request_opened_without_text_holds_nothing():
+    sched = create_scheduler(codec_slots=1)
+    (r,) = create_requests(1, segments=0, closed=False)
+    sched.add_request(r)
+    assert r.codec_slot is None and sched.num_queued == 1 and not sched.has_work()
+
+
+def test_has_work_is_false_when_idle():
+    sched = create_scheduler()
+    assert not sched.has_work()
+    (r,) = create_requests(1, prompt_len=2, max_frames=3)
+    sched.add_request(r)
+    assert sched.has_work()
+    run_steps(sched, 10)
+    assert not sched.has_work() and sched.schedule().is_empty
+
+
+def test_codec_resets_reported_once_per_new_request():
+    sched = create_scheduler()
+    a, b = create_requests(2)
+    sched.add_request(a)
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert sorted(plan.codec_resets) == [0, 1]
+    sched.update(plan, fake_output(plan))
+    assert sched.schedule().codec_resets == []
+
+
+def test_sample_offsets_are_contiguous():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock)
+    (r,) = create_requests(1, prompt_len=2, max_frames=30)
+    sched.add_request(r)
+    offset = 0
+    for _ in range(40):
+        plan = sched.schedule()
+        clock.t += 0.01
+        for o in sched.update(plan, fake_output(plan)):
+            if o.audio is not None:
+                assert o.sample_offset == offset
+                offset += len(o.audio)
+    assert offset == 30 * 1920
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        SchedulerConfig(codec_frame_buckets=(2, 4))
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_batch=0)
