@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import threading
+import time
+
+from engine.core import EngineCore
+from engine.plan import StepOutput, StepPlan
+from engine.request import RequestStatus
+from tests.engine.utils import create_requests, create_scheduler, fake_output
+
+
+class FakeRunner:
+    def __init__(self, fail_on_step: int | None = None) -> None:
+        self.plans: list[StepPlan] = []
+        self.fail_on_step = fail_on_step
+        self.during_execute = None
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.plans.append(plan)
+        if self.during_execute is not None:
+            self.during_execute()
+        if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
+            raise RuntimeError("boom")
+        return fake_output(plan)
+
+
+def test_step_is_schedule_execute_update():
+    runner = FakeRunner()
+    core = EngineCore(create_scheduler(), runner)
+    (r,) = create_requests(1, prompt_len=2, max_frames=3)
+    core.add_request(r)
+    core.step()
+    assert runner.plans[0].sampling_rows == ["r0"] and r.frames_generated == 1
+
+
+def test_abort_applies_at_the_next_step_and_frees_the_slot():
+    runner = FakeRunner()
+    sched = create_scheduler(num_kv_slots=1)
+    core = EngineCore(sched, runner)
+    a, b = create_requests(2, prompt_len=2)
+    core.add_request(a)
+    core.add_request(b)
+    core.step()
+    core.abort("r0")
+    assert a.status == RequestStatus.DECODING  # not yet: between steps nothing changes
+    outs = core.step()
+    assert a.status == RequestStatus.FINISHED_CANCELLED and a.kv_slot is None
+    assert any(o.request_id == "r0" and o.finished for o in outs)
+    assert [c.request_id for c in runner.plans[-1].prefill] == ["r1"]
+
+
+def test_abort_during_execute_waits_for_the_next_step():
+    runner = FakeRunner()
+    core = EngineCore(create_scheduler(), runner)
+    (a,) = create_requests(1, prompt_len=2)
+    core.add_request(a)
+    runner.during_execute = lambda: core.abort("r0")
+    core.step()
+    assert a.frames_generated == 1 and a.status == RequestStatus.DECODING
+    runner.during_execute = None
+    core.step()
+    assert a.status == RequestStatus.FINISHED_CANCELLED
+    assert len(runner.plans) == 1  # the cancelled request left nothing to run
+
+
+def test_runner_failure_ends_the_step_requests_not_the_engine():
+    runner = FakeRunner(fail_on_step=1)
+    core = EngineCore(create_scheduler(), runner)
+    (a,) = create_requests(1, prompt_len=2)
+    core.add_request(a)
+    outs = core.step()
+    assert a.status == RequestStatus.FINISHED_ERROR and "boom" in (outs[0].error or "")
+    (b,) = create_requests(1, prompt_len=2, prefix="b")
+    core.add_request(b)
+    core.step()
+    assert b.frames_generated == 1
+
+
+def test_loop_thread_runs_requests_to_the_end_then_sleeps():
+    done = threading.Event()
+    audio = []
+
+    def sink(outs):
+        for o in outs:
+            if o.audio is not None:
+                audio.append(len(o.audio))
+            if o.finished:
+                done.set()
+
+    runner = FakeRunner()
+    core = EngineCore(create_scheduler(), runner, sink)
+    core.start()
+    try:
+        (r,) = create_requests(1, prompt_len=2, max_frames=10)
+        core.add_request(r)
+        assert done.wait(5)
+        assert sum(audio) == 10 * 1920
+        steps = core.steps
+        time.sleep(0.05)
+        assert core.steps == steps  # idle: no polling steps
+        done.clear()
+        (r2,) = create_requests(1, prompt_len=2, max_frames=3, prefix="again")
+        core.add_request(r2)  # wakes the sleeping loop
+        assert done.wait(5)
+    finally:
+        core.stop()
+    assert not core.running
+
+
+def test_loop_sleeps_when_nothing_can_be_admitted_and_wakes_on_close():
+    finished = threading.Event()
+    core = EngineCore(
+        create_scheduler(codec_slots=1),
+        FakeRunner(),
+        lambda outs: [finished.set() for o in outs if o.request_id == "b0" and o.finished],
+    )
+    core.start()
+    try:
+        (a,) = create_requests(1, prompt_len=2, max_frames=2, closed=False, prefix="a")
+        (b,) = create_requests(1, prompt_len=2, max_frames=2, prefix="b")
+        core.add_request(a)
+        core.add_request(b)  # waits: a holds the only Code2Wav row while it waits for text
+        time.sleep(0.05)
+        steps = core.steps
+        time.sleep(0.05)
+        assert core.steps == steps and b.codec_slot is None
+        core.close_text("a0")
+        assert finished.wait(5)
+    finally:
+        core.stop()
