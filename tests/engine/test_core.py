@@ -60,7 +60,7 @@ def test_abort_during_execute_waits_for_the_next_step():
     runner.during_execute = None
     core.step()
     assert a.status == RequestStatus.FINISHED_CANCELLED
-    assert len(runner.plans) == 1  # the cancelled request left nothing to run
+    assert all("r0" not in p.sampling_rows for p in runner.plans[1:])
 
 
 def test_runner_failure_ends_the_step_requests_not_the_engine():
