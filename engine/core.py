@@ -26,13 +26,21 @@ OutputSink = Callable[[list[RequestOutput]], None]
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, sink: OutputSink | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        sink: OutputSink | None = None,
+        prepare: Callable[[Segment], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sink = sink  # receives each step's outputs (from the step thread)
+        self.prepare = prepare  # readies a segment on the step thread (e.g. prompt embeddings)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._aborts: deque[str] = deque()
+        self._text: deque[tuple[str, Segment | None]] = deque()  # (id, segment) or (id, None) = close
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._inputs = 0  # bumped by every input, so the loop never sleeps through one
@@ -47,17 +55,17 @@ class EngineCore:
             self._wake.notify()
 
     def add_segment(self, request_id: str, segment: Segment) -> None:
+        """Queue text; it joins the request at the next step (after `prepare`)."""
         with self._wake:
-            self.scheduler.add_segment(request_id, segment)
+            self._text.append((request_id, segment))
             self._inputs += 1
             self._wake.notify()
 
     def close_text(self, request_id: str) -> None:
         with self._wake:
-            outs = self.scheduler.close_text(request_id)
+            self._text.append((request_id, None))
             self._inputs += 1
             self._wake.notify()
-        self._emit(outs)
 
     def abort(self, request_id: str) -> None:
         """Cancel; applied at the start of the next step."""
@@ -75,6 +83,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             outs = self._process_aborts()
+        outs += self._process_text()
+        with self._lock:
             plan = self.scheduler.schedule()
         if plan.is_empty and not plan.freed_kv_slots:
             return outs
@@ -95,6 +105,29 @@ class EngineCore:
         ids = list(self._aborts)
         self._aborts.clear()
         return self.scheduler.abort(ids) if ids else []
+
+    def _process_text(self) -> list[RequestOutput]:
+        with self._lock:
+            items = list(self._text)
+            self._text.clear()
+        outs: list[RequestOutput] = []
+        for request_id, segment in items:
+            if segment is not None and self.prepare is not None:
+                try:
+                    self.prepare(segment)
+                except Exception as exc:
+                    with self._lock:
+                        outs += self.scheduler.fail([request_id], f"{type(exc).__name__}: {exc}")
+                    continue
+            with self._lock:
+                if segment is None:
+                    outs += self.scheduler.close_text(request_id)
+                else:
+                    try:
+                        self.scheduler.add_segment(request_id, segment)
+                    except ValueError as exc:
+                        outs += self.scheduler.fail([request_id], str(exc))
+        return outs
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         if outs and self.sink is not None:
@@ -122,7 +155,7 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive()
 
     def _idle(self) -> bool:
-        return not self._stopping and not self._aborts and not self.scheduler.has_work()
+        return not (self._stopping or self._aborts or self._text or self.scheduler.has_work())
 
     def _loop(self) -> None:
         while True:

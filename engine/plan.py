@@ -22,6 +22,7 @@ class PrefillChunk:
     payload: Any  # the segment's prompt data, opaque to the scheduler
     samples_frame: bool  # the chunk completes the context: its last position samples a frame
     frame_index: int  # index within the segment of the frame sampled (valid if samples_frame)
+    utterance_frame: int  # index of that frame on the request's timeline (seeds the row's noise)
     new_segment: bool  # first chunk of a fresh segment: reset the slot's per-segment sampling state
     codes: list[list[int]] = field(default_factory=list)  # segment frames to re-embed on a resume
     sampling: Any = None  # the request's sampling parameters
@@ -34,6 +35,7 @@ class DecodeRow:
     codec_slot: int
     position: int  # position of the input (the previous frame) in the segment's talker sequence
     frame_index: int  # index within the segment of the frame this step samples (>= 1)
+    utterance_frame: int  # index of that frame on the request's timeline (seeds the row's noise)
     payload: Any  # the segment's prompt data (trailing text track for streaming text input)
     sampling: Any = None
 

@@ -144,6 +144,7 @@ class Scheduler:
                     codec_slot=_slot(r.codec_slot),
                     position=seg.prefilled,
                     frame_index=seg.frames,
+                    utterance_frame=r.frames_generated,
                     payload=seg.payload,
                     sampling=r.sampling,
                 )
@@ -170,6 +171,7 @@ class Scheduler:
                     payload=seg.payload,
                     samples_frame=n == remaining,
                     frame_index=seg.frames,
+                    utterance_frame=r.frames_generated,
                     new_segment=start == 0 and seg.frames == 0,
                     codes=r.codes[seg.first_frame : seg.first_frame + seg.frames] if seg.frames else [],
                     sampling=r.sampling,

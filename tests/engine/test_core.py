@@ -6,7 +6,7 @@ import time
 from engine.core import EngineCore
 from engine.plan import StepOutput, StepPlan
 from engine.request import RequestStatus
-from tests.engine.utils import create_requests, create_scheduler, fake_output
+from tests.engine.utils import create_requests, create_scheduler, fake_output, make_segment
 
 
 class FakeRunner:
@@ -128,3 +128,28 @@ def test_loop_sleeps_when_nothing_can_be_admitted_and_wakes_on_close():
         assert finished.wait(5)
     finally:
         core.stop()
+
+
+def test_text_is_prepared_on_the_step_and_applied_in_order():
+    prepared = []
+    core = EngineCore(create_scheduler(), FakeRunner(), prepare=lambda seg: prepared.append(seg))
+    (r,) = create_requests(1, prompt_len=2, max_frames=2, segments=0, closed=False)
+    core.add_request(r)
+    seg = make_segment(prompt_len=2, max_frames=2)
+    core.add_segment("r0", seg)
+    core.close_text("r0")
+    assert not prepared and not r.text_closed  # nothing happens until the step
+    core.step()
+    assert prepared == [seg] and r.text_closed and r.frames_generated == 1
+
+
+def test_a_segment_that_fails_to_prepare_ends_its_request():
+    def prepare(seg):
+        raise ValueError("bad text")
+
+    core = EngineCore(create_scheduler(), FakeRunner(), prepare=prepare)
+    (r,) = create_requests(1, segments=0, closed=False)
+    core.add_request(r)
+    core.add_segment("r0", make_segment())
+    outs = core.step()
+    assert r.status == RequestStatus.FINISHED_ERROR and "bad text" in outs[0].error
