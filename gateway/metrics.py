@@ -1,0 +1,48 @@
+"""Prometheus metrics, one registry per app (so tests and several apps never share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from engine.api import EngineLoad
+
+_TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+_RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttfa = Histogram(
+            "cadence_ttfa_seconds", "Time from an utterance's first text to its first packet sent",
+            ["endpoint"], buckets=_TTFA_BUCKETS, registry=r,
+        )
+        self.rtf = Histogram(
+            "cadence_rtf", "Synthesis wall time over audio duration, per utterance",
+            ["endpoint"], buckets=_RTF_BUCKETS, registry=r,
+        )
+        self.active_sessions = Gauge("cadence_active_sessions", "Open WebSocket sessions", registry=r)
+        self.active_utterances = Gauge("cadence_active_utterances", "Utterances in progress", registry=r)
+        self.engine_active = Gauge("cadence_engine_active", "Engine requests producing audio", registry=r)
+        self.engine_queue_depth = Gauge("cadence_engine_queue_depth", "Engine requests waiting", registry=r)
+        self.engine_capacity = Gauge("cadence_engine_capacity", "Engine active slots", registry=r)
+        self.errors = Counter("cadence_errors", "Error messages and responses, by code", ["code"], registry=r)
+        self.utterances = Counter("cadence_utterances", "Utterances opened", ["endpoint"], registry=r)
+        self.packets = Counter("cadence_packets_sent", "Audio packets sent on /v1/stream", registry=r)
+
+    def observe_engine(self, load: EngineLoad) -> None:
+        self.engine_active.set(load.active)
+        self.engine_queue_depth.set(load.queued)
+        self.engine_capacity.set(load.capacity)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,218 @@
+"""Engine audio -> wire packets: streaming resampler, encoders, and the fixed-size packetiser.
+
+The engine's float32 audio at its own rate goes through one stateful soxr stream per utterance
+(so packet and chunk edges never click), is cut into `packet_ms` packets on the utterance's output
+sample timeline, and encoded: pcm_s16le, pcm_f32le, or G.711 mulaw / alaw (8 kHz only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import soxr
+
+from gateway.messages import (
+    BYTES_PER_SAMPLE,
+    FLAG_LAST,
+    TELEPHONY_ENCODINGS,
+    Encoding,
+    OutputInfo,
+    PacketHeader,
+    validate_output,
+)
+
+Audio = npt.NDArray[np.float32]
+_EMPTY: Final = np.zeros(0, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFormat:
+    encoding: Encoding = "pcm_s16le"
+    sample_rate: int = 24_000
+    packet_ms: int = 20
+
+    def __post_init__(self) -> None:
+        validate_output(self.encoding, self.sample_rate, self.packet_ms)
+
+    @property
+    def samples_per_packet(self) -> int:
+        return self.sample_rate * self.packet_ms // 1000
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return BYTES_PER_SAMPLE[self.encoding]
+
+    def to_wire(self) -> OutputInfo:
+        return {
+            "encoding": self.encoding,
+            "sample_rate": self.sample_rate,
+            "packet_ms": self.packet_ms,
+            "samples_per_packet": self.samples_per_packet,
+        }
+
+
+# -- resampling -------------------------------------------------------------------------------
+
+
+class StreamResampler:
+    """Stateful float32 mono resampler; identity when the rates match."""
+
+    def __init__(self, in_rate: int, out_rate: int) -> None:
+        self.in_rate = in_rate
+        self.out_rate = out_rate
+        self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
+
+    def process(self, samples: Audio, last: bool = False) -> Audio:
+        x = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        if self._stream is None:
+            return x
+        out = self._stream.resample_chunk(x, last=last)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(-1)
+
+
+# -- encoders ---------------------------------------------------------------------------------
+
+_MULAW_BIAS: Final = 0x84
+_MULAW_CLIP: Final = 32635  # largest magnitude before the top segment
+
+
+def to_int16(samples: Audio) -> npt.NDArray[np.int16]:
+    clipped = np.clip(samples, -1.0, 1.0)
+    return np.round(clipped * 32767.0).astype(np.int16)
+
+
+def mulaw_encode(pcm: npt.NDArray[np.int16]) -> npt.NDArray[np.uint8]:
+    """G.711 mu-law of 16-bit PCM (the classic 14-bit formulation)."""
+    v = pcm.astype(np.int32) >> 2
+    mask = np.where(v < 0, 0x7F, 0xFF)
+    v = np.minimum(np.abs(v), _MULAW_CLIP >> 2) + (_MULAW_BIAS >> 2)
+    segment = np.zeros_like(v)
+    for bound in (0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF):
+        segment += v > bound
+    value = (segment << 4) | ((v >> (segment + 1)) & 0x0F)
+    codes: npt.NDArray[np.uint8] = ((value ^ mask) & 0xFF).astype(np.uint8)
+    return codes
+
+
+def mulaw_decode(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.int16]:
+    u = ~codes.astype(np.int32) & 0xFF
+    exponent = (u >> 4) & 0x07
+    magnitude = (((u & 0x0F) << 3) + _MULAW_BIAS) << exponent
+    return np.where(u & 0x80, _MULAW_BIAS - magnitude, magnitude - _MULAW_BIAS).astype(np.int16)
+
+
+def alaw_encode(pcm: npt.NDArray[np.int16]) -> npt.NDArray[np.uint8]:
+    """G.711 A-law of 16-bit PCM."""
+    v = pcm.astype(np.int32) >> 3  # 13-bit
+    mask = np.where(v >= 0, 0xD5, 0x55)
+    v = np.where(v >= 0, v, -v - 1)
+    segment = np.zeros_like(v)
+    for bound in (0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF):
+        segment += v > bound
+    shift = np.maximum(segment, 1)
+    value = (segment << 4) | ((v >> shift) & 0x0F)
+    value = np.where(v > 0xFFF, 0x7F, value)
+    return ((value ^ mask) & 0xFF).astype(np.uint8)
+
+
+def alaw_decode(codes: npt.NDArray[np.uint8]) -> npt.NDArray[np.int16]:
+    a = codes.astype(np.int32) ^ 0x55
+    segment = (a & 0x70) >> 4
+    t = ((a & 0x0F) << 4) + 8
+    t = np.where(segment > 0, (t + 0x100) << np.maximum(segment - 1, 0), t)
+    return np.where(a & 0x80, t, -t).astype(np.int16)
+
+
+def encode_samples(samples: Audio, encoding: Encoding) -> bytes:
+    if encoding == "pcm_f32le":
+        return np.clip(samples, -1.0, 1.0).astype("<f4").tobytes()
+    pcm = to_int16(samples)
+    if encoding == "pcm_s16le":
+        return pcm.astype("<i2").tobytes()
+    if encoding == "mulaw":
+        return mulaw_encode(pcm).tobytes()
+    return alaw_encode(pcm).tobytes()
+
+
+def decode_payload(payload: bytes, encoding: Encoding) -> Audio:
+    """Bytes of one encoding back to float32 in [-1, 1] (clients and tests)."""
+    if encoding == "pcm_f32le":
+        return np.frombuffer(payload, dtype="<f4").astype(np.float32)
+    codes = np.frombuffer(payload, dtype=np.uint8)
+    if encoding == "pcm_s16le":
+        pcm = np.frombuffer(payload, dtype="<i2")
+    elif encoding == "mulaw":
+        pcm = mulaw_decode(codes)
+    else:
+        pcm = alaw_decode(codes)
+    return (pcm.astype(np.float32) / 32768.0).astype(np.float32)
+
+
+# -- packetiser -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    header: PacketHeader
+    payload: bytes
+    samples: int  # samples at the output rate in the payload
+
+    @property
+    def frame(self) -> bytes:
+        return self.header.pack() + self.payload
+
+    @property
+    def end_sample(self) -> int:
+        return self.header.sample_offset + self.samples
+
+    @property
+    def last(self) -> bool:
+        return self.header.last
+
+
+class Packetiser:
+    """One utterance's engine audio -> numbered packets of `packet_ms` (the last may be shorter;
+    it is empty only when the audio ended exactly on a packet edge)."""
+
+    def __init__(self, stream: int, fmt: OutputFormat, input_rate: int) -> None:
+        if fmt.encoding in TELEPHONY_ENCODINGS and fmt.sample_rate != 8000:
+            raise ValueError(f"{fmt.encoding} is 8000 Hz only")
+        self.stream = stream
+        self.format = fmt
+        self._resampler = StreamResampler(input_rate, fmt.sample_rate)
+        self._pending: Audio = _EMPTY
+        self.samples_out = 0  # output samples packetised so far
+        self.packets = 0
+        self.finished = False
+
+    def push(self, samples: Audio, final: bool = False) -> list[Packet]:
+        if self.finished:
+            raise RuntimeError("the packetiser has already sent its last packet")
+        resampled = self._resampler.process(samples, last=final)
+        if len(resampled):
+            self._pending = np.concatenate((self._pending, resampled)) if len(self._pending) else resampled
+        size = self.format.samples_per_packet
+        out: list[Packet] = []
+        while len(self._pending) >= size and not (final and len(self._pending) == size):
+            out.append(self._packet(self._pending[:size], last=False))
+            self._pending = self._pending[size:]
+        if final:
+            out.append(self._packet(self._pending, last=True))
+            self._pending = _EMPTY
+            self.finished = True
+        return out
+
+    @property
+    def duration_ms(self) -> int:
+        return round(self.samples_out * 1000 / self.format.sample_rate)
+
+    def _packet(self, samples: Audio, last: bool) -> Packet:
+        header = PacketHeader(
+            stream=self.stream, seq=self.packets, sample_offset=self.samples_out, flags=FLAG_LAST if last else 0
+        )
+        self.packets += 1
+        self.samples_out += len(samples)
+        return Packet(header, encode_samples(samples, self.format.encoding), len(samples))

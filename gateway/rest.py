@@ -1,0 +1,246 @@
+"""POST /v1/audio/speech, compatible with OpenAI's speech endpoint, plus `language` and
+`timestamps`. Formats: wav and flac (whole file), pcm (s16le mono at `rest_sample_rate`, streamed
+as it is made). `stream_format: "sse"` streams `speech.audio.delta` events (base64 pcm) and ends
+with `speech.audio.done`; with `timestamps: true` it adds `speech.audio.words` events.
+Errors are JSON `{"error": {"message", "type", "code"}}`: 400 for bad input, 429 with Retry-After
+when the engine is overloaded, 500 for engine failures.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import soundfile as sf
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
+from gateway.config import GatewayConfig
+from gateway.errors import error_code, public_message, retry_after_s
+from gateway.messages import ErrorCode
+from gateway.metrics import GatewayMetrics
+from gateway.packets import StreamResampler, to_int16
+from gateway.segmenter import Segmenter
+
+log = logging.getLogger("cadence.rest")
+
+ResponseFormat = Literal["wav", "pcm", "flac"]
+MEDIA_TYPES: dict[str, str] = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+
+
+class BadRequest(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class SpeechRequest:
+    input: str
+    voice: str | None
+    instructions: str | None
+    language: str
+    response_format: ResponseFormat
+    speed: float
+    sse: bool
+    timestamps: bool
+
+
+def error_response(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status, headers=headers)
+
+
+def _optional_text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest("invalid_message", f"`{name}` must be a string")
+    return value
+
+
+def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("invalid_message", "the body must be a JSON object")
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest("invalid_message", "`input` must be a non-empty string")
+    if len(text) > config.max_text_chars:
+        raise BadRequest("text_too_long", f"`input` holds at most {config.max_text_chars} characters")
+    stream_format = body.get("stream_format") or "audio"
+    if stream_format not in ("audio", "sse"):
+        raise BadRequest("invalid_message", "`stream_format` must be audio or sse")
+    sse = stream_format == "sse"
+    fmt = body.get("response_format") or ("pcm" if sse else "wav")
+    if fmt not in MEDIA_TYPES:
+        raise BadRequest("unsupported_output", "`response_format` must be one of wav, pcm, flac")
+    if sse and fmt != "pcm":
+        raise BadRequest("unsupported_output", "stream_format sse carries pcm audio")
+    speed = body.get("speed", 1.0)
+    if speed is None:
+        speed = 1.0
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.25 <= speed <= 4.0:
+        raise BadRequest("invalid_message", "`speed` must be a number from 0.25 to 4.0")
+    timestamps = body.get("timestamps", False)
+    if not isinstance(timestamps, bool):
+        raise BadRequest("invalid_message", "`timestamps` must be true or false")
+    response_format: ResponseFormat = "wav" if fmt == "wav" else "pcm" if fmt == "pcm" else "flac"
+    return SpeechRequest(
+        input=text,
+        voice=_optional_text(body, "voice"),
+        instructions=_optional_text(body, "instructions"),
+        language=_optional_text(body, "language") or "Auto",
+        response_format=response_format,
+        speed=float(speed),
+        sse=sse,
+        timestamps=timestamps,
+    )
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+class _Synthesis:
+    """One request's audio at the REST output rate, as int16 PCM pieces."""
+
+    def __init__(self, stream: SynthesisStream, engine_rate: int, out_rate: int, metrics: GatewayMetrics) -> None:
+        self.stream = stream
+        self.engine_rate = engine_rate
+        self.out_rate = out_rate
+        self.metrics = metrics
+        self.samples_out = 0
+        self.started = time.monotonic()
+        self._resampler = StreamResampler(engine_rate, out_rate)
+        self._first = True
+
+    async def pieces(self) -> AsyncIterator[tuple[bytes, AudioChunk]]:
+        try:
+            async for chunk in self.stream:
+                audio = self._resampler.process(chunk.samples, last=chunk.final)
+                self.samples_out += len(audio)
+                if len(audio) and self._first:
+                    self._first = False
+                    self.metrics.ttfa.labels("rest").observe(time.monotonic() - self.started)
+                yield to_int16(audio).astype("<i2").tobytes(), chunk
+                if chunk.final:
+                    break
+        finally:
+            self.stream.cancel()
+        if self.samples_out:
+            rtf = (time.monotonic() - self.started) / (self.samples_out / self.out_rate)
+            self.metrics.rtf.labels("rest").observe(rtf)
+
+
+def make_speech_endpoint(
+    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics
+) -> Callable[[Request], Awaitable[Response]]:
+    def fail(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.errors.labels(code).inc()
+        return error_response(status, code, message, headers)
+
+    async def speech(request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > config.max_message_bytes + config.max_text_chars * 4:
+            return fail(413, "text_too_long", "request body too large")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return fail(400, "invalid_message", "the body is not valid JSON")
+        try:
+            req = parse_speech_request(body, config)
+        except BadRequest as exc:
+            return fail(400, exc.code, exc.message)
+        try:
+            stream = engine.open(SynthesisRequest(
+                request_id=f"rest-{uuid.uuid4().hex[:12]}",
+                voice=req.voice,
+                language=req.language,
+                instructions=req.instructions,
+                speed=req.speed,
+            ))
+        except EngineError as exc:
+            wait = retry_after_s(exc)
+            if wait is not None:
+                return fail(429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))})
+            status = 500 if error_code(exc) == "internal" else 400
+            return fail(status, error_code(exc), public_message(exc))
+        metrics.utterances.labels("rest").inc()
+        segmenter = Segmenter(config.segment_max_chars, config.segment_clause_min_chars)
+        try:
+            for segment in segmenter.feed(req.input) + segmenter.flush():
+                stream.push(segment)
+            stream.close_text()
+        except EngineError as exc:
+            stream.cancel()
+            return fail(400, error_code(exc), public_message(exc))
+        synthesis = _Synthesis(stream, engine.info.sample_rate, config.rest_sample_rate, metrics)
+        headers = {"X-Sample-Rate": str(config.rest_sample_rate)}
+        if req.sse:
+            return StreamingResponse(_sse_events(synthesis, req, metrics), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        if req.response_format == "pcm":
+            return StreamingResponse(_pcm_bytes(synthesis, metrics), media_type=MEDIA_TYPES["pcm"], headers=headers)
+        try:
+            pcm = b"".join([piece async for piece, _ in synthesis.pieces()])
+        except EngineError as exc:
+            return fail(500, error_code(exc), public_message(exc))
+        buffer = io.BytesIO()
+        audio = np.frombuffer(pcm, dtype="<i2")
+        sf.write(buffer, audio, config.rest_sample_rate, format=req.response_format.upper(), subtype="PCM_16")
+        return Response(buffer.getvalue(), media_type=MEDIA_TYPES[req.response_format], headers=headers)
+
+    return speech
+
+
+async def _pcm_bytes(synthesis: _Synthesis, metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+    try:
+        async for piece, _ in synthesis.pieces():
+            if piece:
+                yield piece
+    except EngineError as exc:  # the status is sent already: the stream ends short
+        metrics.errors.labels(error_code(exc)).inc()
+        log.warning("speech stream failed: %s", exc)
+
+
+async def _sse_events(synthesis: _Synthesis, req: SpeechRequest, metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+    rate = synthesis.engine_rate
+    index = 0
+    try:
+        async for piece, chunk in synthesis.pieces():
+            if req.timestamps and chunk.words:
+                words = []
+                for w in chunk.words:
+                    words.append({"index": index, "text": w.text, "start_ms": round(w.start_sample * 1000 / rate),
+                                  "end_ms": round(w.end_sample * 1000 / rate), "char_start": w.char_start,
+                                  "char_end": w.char_end})
+                    index += 1
+                yield _sse({"type": "speech.audio.words", "words": words})
+            if piece:
+                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+    except EngineError as exc:
+        code = error_code(exc)
+        metrics.errors.labels(code).inc()
+        yield _sse({"type": "error", "error": {"message": public_message(exc), "type": "server_error", "code": code}})
+        return
+    duration_ms = round(synthesis.samples_out * 1000 / synthesis.out_rate)
+    yield _sse({
+        "type": "speech.audio.done",
+        "duration_ms": duration_ms,
+        "sample_rate": synthesis.out_rate,
+        "usage": {"input_characters": len(req.input)},
+    })

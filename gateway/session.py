@@ -1,0 +1,318 @@
+"""One WebSocket session: the asyncio glue around the sans-I/O SessionProtocol.
+
+Tasks: a reader (client frames -> protocol), a writer (send queue -> socket, with pacing), and one
+pull task per utterance (engine chunks -> protocol). Everything the protocol asks for runs in
+`_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
+`utterance.interrupted` happen together: no packet of that stream is sent after the fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from starlette.websockets import WebSocket, WebSocketState
+
+from engine.api import Engine, EngineError, SynthesisStream
+from gateway.config import GatewayConfig
+from gateway.errors import CLOSE_GOING_AWAY
+from gateway.messages import encode
+from gateway.metrics import GatewayMetrics
+from gateway.packets import Packet
+from gateway.protocol import (
+    Action,
+    CancelStream,
+    Close,
+    CloseText,
+    OpenStream,
+    Purge,
+    PushText,
+    SendAudio,
+    SendControl,
+    SendTrailer,
+    SessionProtocol,
+)
+
+log = logging.getLogger("cadence.session")
+
+
+@dataclass(frozen=True, slots=True)
+class _CloseItem:
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _AudioItem:
+    stream: int
+    item: Packet | str  # a packet, or a JSON trailer (utterance.done)
+
+
+class SendQueue:
+    """Control messages ahead of audio; audio bounded by high/low watermarks (in items)."""
+
+    def __init__(self, high: int, low: int) -> None:
+        self.high = high
+        self.low = low
+        self.control: deque[str | _CloseItem] = deque()
+        self.audio: deque[_AudioItem] = deque()
+        self.writable = asyncio.Event()  # producers may add audio
+        self.writable.set()
+        self._wake = asyncio.Event()
+
+    def put_control(self, item: str | _CloseItem) -> None:
+        self.control.append(item)
+        self._wake.set()
+
+    def put_audio(self, stream: int, item: Packet | str) -> None:
+        self.audio.append(_AudioItem(stream, item))
+        if len(self.audio) >= self.high:
+            self.writable.clear()
+        self._wake.set()
+
+    def purge(self, stream: int) -> int:
+        before = len(self.audio)
+        self.audio = deque(a for a in self.audio if a.stream != stream)
+        self._after_take()
+        self._wake.set()
+        return before - len(self.audio)
+
+    def pop_audio(self) -> _AudioItem:
+        item = self.audio.popleft()
+        self._after_take()
+        return item
+
+    def _after_take(self) -> None:
+        if len(self.audio) <= self.low:
+            self.writable.set()
+
+    async def wait(self, at_most_s: float | None = None) -> None:
+        """Until something is added or purged (or `at_most_s` passes)."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), at_most_s)
+
+
+class Session:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        engine: Engine,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        session_id: str | None = None,
+    ) -> None:
+        self.websocket = websocket
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.session_id = session_id or uuid.uuid4().hex[:16]
+        self.protocol = SessionProtocol(self.session_id, engine.info, config)
+        self.queue = SendQueue(config.send_queue_high, config.send_queue_low)
+        self._loop = asyncio.get_running_loop()
+        self._streams: dict[str, SynthesisStream] = {}
+        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._first_text_at: dict[str, float] = {}
+        self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
+        self._counted_active = 0
+        self._idle = asyncio.Event()
+        self._done = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve the (already accepted) socket until either side closes it."""
+        self.metrics.active_sessions.inc()
+        reader = asyncio.create_task(self._read_loop())
+        writer = asyncio.create_task(self._write_loop())
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            for task in (reader, writer):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._stop_all_streams()
+            self.metrics.active_sessions.dec()
+            self.metrics.active_utterances.dec(self._counted_active)
+            self._counted_active = 0
+            self._done.set()
+
+    async def shutdown(self, drain_timeout_s: float) -> None:
+        """Refuse new utterances, let open ones finish (bounded), then close with 1001."""
+        self.protocol.begin_shutdown()
+        if self.protocol.active_count:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        self._execute(self.protocol.abort(CLOSE_GOING_AWAY, "server shutting down"))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._done.wait(), 2.0)
+
+    # -- reader -------------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            now = self._loop.time()
+            text, data = message.get("text"), message.get("bytes")
+            if text is not None:
+                self._execute(self.protocol.receive_text(text, now))
+            elif data is not None:
+                self._execute(self.protocol.receive_binary(data))
+
+    # -- writer -------------------------------------------------------------------------------
+    async def _write_loop(self) -> None:
+        lead = self.config.realtime_lead_ms / 1000.0
+        while True:
+            if self.queue.control:
+                item = self.queue.control.popleft()
+                if isinstance(item, _CloseItem):
+                    await self._close_socket(item)
+                    return
+                await self.websocket.send_text(item)
+                continue
+            if not self.queue.audio:
+                await self.queue.wait()
+                continue
+            head = self.queue.audio[0]
+            if isinstance(head.item, Packet) and self.protocol.pacing == "realtime":
+                t0 = self._stream_t0.get(head.stream)
+                if t0 is not None:
+                    due = t0 + head.item.header.sample_offset / self.protocol.output.sample_rate - lead
+                    wait = due - self._loop.time()
+                    if wait > 0:
+                        await self.queue.wait(wait)
+                        continue
+            entry = self.queue.pop_audio()
+            if isinstance(entry.item, str):
+                await self.websocket.send_text(entry.item)
+                continue
+            await self.websocket.send_bytes(entry.item.frame)
+            self._after_packet_sent(entry.stream, entry.item)
+
+    def _after_packet_sent(self, stream: int, packet: Packet) -> None:
+        now = self._loop.time()
+        self.metrics.packets.inc()
+        if packet.header.seq == 0:
+            self._stream_t0[stream] = now
+            utt = self.protocol.by_stream(stream)
+            started = self._first_text_at.get(utt.utterance_id) if utt else None
+            if started is not None:
+                self.metrics.ttfa.labels("stream").observe(now - started)
+        if packet.last:
+            self._stream_t0.pop(stream, None)
+        self._execute(self.protocol.packet_sent(stream, packet, now))
+
+    async def _close_socket(self, item: _CloseItem) -> None:
+        if self.websocket.application_state is WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await self.websocket.close(item.code, item.reason)
+
+    # -- engine pulls -------------------------------------------------------------------------
+    async def _pull(self, utterance_id: str, stream: SynthesisStream) -> None:
+        try:
+            async for chunk in stream:
+                if not self.queue.writable.is_set():
+                    await self.queue.writable.wait()
+                self._execute(self.protocol.receive_chunk(utterance_id, chunk))
+            self._execute(self.protocol.stream_ended(utterance_id))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine failure ends this utterance only
+            if not isinstance(exc, EngineError):
+                log.exception("engine stream of %s failed", utterance_id)
+            self._execute(self.protocol.stream_failed(utterance_id, exc))
+        finally:
+            self._streams.pop(utterance_id, None)
+            self._pulls.pop(utterance_id, None)
+
+    def _stop_all_streams(self) -> None:
+        for utterance_id in list(self._streams):
+            self._cancel_stream(utterance_id)
+
+    def _cancel_stream(self, utterance_id: str) -> None:
+        stream = self._streams.pop(utterance_id, None)
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.cancel()
+        task = self._pulls.pop(utterance_id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    # -- running the protocol's actions -------------------------------------------------------
+    def _execute(self, actions: list[Action]) -> None:
+        pending = deque(actions)
+        while pending:
+            action = pending.popleft()
+            if isinstance(action, SendControl):
+                if action.message["type"] == "error":
+                    self.metrics.errors.labels(action.message["code"]).inc()
+                self.queue.put_control(encode(action.message))
+            elif isinstance(action, SendAudio):
+                self.queue.put_audio(action.stream, action.packet)
+            elif isinstance(action, SendTrailer):
+                self._observe_rtf(action)
+                self.queue.put_audio(action.stream, encode(action.message))
+            elif isinstance(action, Purge):
+                self.queue.purge(action.stream)
+                self._stream_t0.pop(action.stream, None)
+            elif isinstance(action, OpenStream):
+                pending.extend(self._open(action))
+            elif isinstance(action, PushText):
+                pending.extend(self._push(action))
+            elif isinstance(action, CloseText):
+                stream = self._streams.get(action.utterance_id)
+                if stream is not None:
+                    stream.close_text()
+            elif isinstance(action, CancelStream):
+                self._cancel_stream(action.utterance_id)
+                self._first_text_at.pop(action.utterance_id, None)
+            elif isinstance(action, Close):
+                self.queue.put_control(_CloseItem(action.code, action.reason))
+        self._count_active()
+
+    def _open(self, action: OpenStream) -> list[Action]:
+        try:
+            stream = self.engine.open(action.request)
+        except Exception as exc:
+            if not isinstance(exc, EngineError):
+                log.exception("engine.open failed")
+            return self.protocol.open_failed(action.utterance_id, exc)
+        self._streams[action.utterance_id] = stream
+        self.metrics.utterances.labels("stream").inc()
+        self._pulls[action.utterance_id] = asyncio.create_task(self._pull(action.utterance_id, stream))
+        return self.protocol.open_succeeded(action.utterance_id)
+
+    def _push(self, action: PushText) -> list[Action]:
+        stream = self._streams.get(action.utterance_id)
+        if stream is None:
+            return []
+        self._first_text_at.setdefault(action.utterance_id, self._loop.time())
+        try:
+            stream.push(action.segment)
+        except Exception as exc:
+            self._cancel_stream(action.utterance_id)
+            return self.protocol.stream_failed(action.utterance_id, exc)
+        return []
+
+    def _observe_rtf(self, action: SendTrailer) -> None:
+        message = action.message
+        if message["type"] != "utterance.done":
+            return
+        started = self._first_text_at.pop(message["utterance_id"], None)
+        if started is not None and message["duration_ms"] > 0:
+            self.metrics.rtf.labels("stream").observe((self._loop.time() - started) / (message["duration_ms"] / 1000))
+
+    def _count_active(self) -> None:
+        active = self.protocol.active_count
+        if active != self._counted_active:
+            self.metrics.active_utterances.inc(active - self._counted_active)
+            self._counted_active = active
+        if active == 0:
+            self._idle.set()
