@@ -1,0 +1,184 @@
+"""Qwen3 decoder building blocks: RMSNorm, RoPE, GQA attention over a static KV cache, SwiGLU MLP.
+
+Shapes are fixed per call and nothing here reads tensors back to the host, so a runner can batch
+requests of different lengths and capture the steps as CUDA graphs.
+
+KV cache layout: k, v: [layers, slots, kv_heads, max_len, head_dim]. A request owns one slot; its
+token at position p lives at [:, slot, :, p]. Attention for a query at position p sees cache
+positions 0..p of its own slot (stale entries beyond p are masked, so slots need no clearing).
+The last cache position (max_len - 1) is a scratch cell: padded prefill entries are written there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.models.config import DecoderShape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta**exponent)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> cos, sin [B, T, head_dim] (computed in fp32, then cast).
+
+    The talker's interleaved M-RoPE uses three identical position streams, which reduces to this."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class KVCache:
+    k: Tensor  # [layers, slots, kv_heads, max_len, head_dim]
+    v: Tensor
+
+    @classmethod
+    def allocate(
+        cls, shape: DecoderShape, slots: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> KVCache:
+        dims = (shape.num_hidden_layers, slots, shape.num_key_value_heads, max_len, shape.head_dim)
+        return cls(torch.zeros(dims, device=device, dtype=dtype), torch.zeros(dims, device=device, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[3])
+
+    @property
+    def scratch_position(self) -> int:
+        return self.max_len - 1
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        h, d = shape.hidden_size, shape.head_dim
+        self.num_heads = shape.num_attention_heads
+        self.num_kv_heads = shape.num_key_value_heads
+        self.head_dim = d
+        bias = shape.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        kv_len: int,
+    ) -> Tensor:
+        """x [B, T, H]; k_cache/v_cache [slots, kv_heads, max_len, D] (one layer); slots [B];
+        positions [B, T]; kv_len: static bound on the positions attended (<= max_len)."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        row = slots[:, None]
+        k_cache[row, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[row, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+        keys = k_cache[slots, :, :kv_len].to(q.dtype)
+        values = v_cache[slots, :, :kv_len].to(q.dtype)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        key_pos = torch.arange(kv_len, device=x.device)
+        allowed = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.self_attn = Attention(shape)
+        self.mlp = SwiGLU(shape.hidden_size, shape.intermediate_size)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        slots: Tensor,
+        positions: Tensor,
+        kv_len: int,
+    ) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, positions, kv_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """`layers.N.*` + final `norm`; subclasses add their embeddings."""
+
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_hidden_layers))
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(shape.head_dim, shape.rope_theta), persistent=False)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """Recompute the RoPE frequencies (after building on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.shape.head_dim, self.shape.rope_theta, device)
+
+    def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, kv_len: int) -> Tensor:
+        """x [B, T, H] input embeddings -> final-normed hidden states [B, T, H]."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, kv_len)
+        return self.norm(x)
