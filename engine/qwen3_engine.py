@@ -1,0 +1,380 @@
+"""`Qwen3Engine`: engine.api.Engine over the scheduler, the step loop and the GPU runner.
+
+Each text segment becomes its own talker sequence; the frames of all segments of an utterance run
+through one Code2Wav stream, so the audio continues across segments. Segments are synthesised back
+to back on the same talker slot, so the next segment's first audio is ready long before the
+previous one's last packet is due (generation runs many times faster than real time).
+Word timings are estimates: each segment's words spread over its frames by character count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from engine.api import (
+    AudioChunk,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    InvalidRequest,
+    SynthesisRequest,
+    TextSegment,
+    UnknownVoice,
+    WordTiming,
+)
+from engine.bridge import ChunkChannel
+from engine.core import EngineCore
+from engine.kv_cache import KVCacheLayout, KVCacheManager
+from engine.models.codec import Code2Wav
+from engine.models.config import GenerationDefaults, Qwen3TTSConfig
+from engine.models.talker import Talker
+from engine.plan import RequestOutput
+from engine.prompts import PromptRequest, tokenize_request
+from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
+from engine.runner import Runner, RunnerConfig, RowSampling, SegmentPrompt, capture_with_progress
+from engine.sampler import SEED_MASK
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import TextTokenizer
+
+
+@dataclass(slots=True)
+class Qwen3EngineConfig:
+    max_streams: int = 64  # concurrent utterances (Code2Wav rows); more queue, then Overloaded
+    queue_limit: int = 256
+    kv_slots: int | None = None  # talker slots; None: from kv_budget_bytes (capped at max_streams)
+    kv_budget_bytes: int = 8 << 30
+    max_len: int = 512  # talker positions per segment (prompt + frames)
+    max_batch: int = 64
+    max_tokens_per_step: int = 512
+    max_prefill_chunk: int = 256
+    max_trailing: int = 256
+    kv_buckets: tuple[int, ...] = (128, 256)
+    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
+    enforce_eager: bool = False
+    non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
+    ttfa_target_s: float = 0.025
+    default_voice: str | None = None
+    progress_bar: bool = True
+
+
+def estimate_words(segment: Segment) -> list[WordTiming]:
+    """Spread a finished segment's words over its frames in proportion to their characters."""
+    text = segment.text.text
+    start = segment.first_frame * SAMPLES_PER_FRAME
+    total = segment.frames * SAMPLES_PER_FRAME
+    spans: list[tuple[int, int]] = []
+    i = 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        j = i
+        while j < len(text) and not text[j].isspace():
+            j += 1
+        spans.append((i, j))
+        i = j
+    if not spans or total <= 0:
+        return []
+    chars = sum(b - a for a, b in spans)
+    words, done = [], 0
+    for a, b in spans:
+        s0 = start + total * done // chars
+        done += b - a
+        s1 = start + total * done // chars
+        words.append(
+            WordTiming(
+                text=text[a:b],
+                start_sample=s0,
+                end_sample=s1,
+                char_start=segment.text.source_offset(a),
+                char_end=segment.text.source_offset(b),
+                source="estimate",
+            )
+        )
+    return words
+
+
+@dataclass
+class _Voice:
+    speaker: str | None = None  # preset speaker (CustomVoice)
+    speaker_embedding: torch.Tensor | None = None  # Base x-vector
+    ref_codes: torch.Tensor | None = None  # Base ICL reference frames
+    ref_text: str | None = None
+
+
+class Qwen3Stream:
+    def __init__(self, engine: Qwen3Engine, request: SynthesisRequest, voice: _Voice,
+                 channel: ChunkChannel) -> None:
+        self.request_id = request.request_id
+        self._engine = engine
+        self._request = request
+        self._voice = voice
+        self.channel = channel
+        self.pending_words: list[WordTiming] = []
+        self.samples_sent = 0
+        self._closed = False
+
+    def push(self, segment: TextSegment) -> None:
+        if self._closed:
+            raise InvalidRequest("text already closed")
+        if segment.text.strip():
+            self._engine._push(self, segment)
+
+    def close_text(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine.core.close_text(self.request_id)
+
+    def cancel(self) -> None:
+        self._engine.core.abort(self.request_id)
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        return self.channel.__aiter__()
+
+
+class Qwen3Engine:
+    def __init__(
+        self,
+        config: Qwen3TTSConfig,
+        generation: GenerationDefaults,
+        tokenizer: TextTokenizer,
+        talker: Talker,
+        codec: Code2Wav,
+        engine_config: Qwen3EngineConfig | None = None,
+        model_name: str = "qwen3-tts",
+        speaker_encoder: Any | None = None,
+        speech_tokenizer: Any | None = None,
+    ) -> None:
+        self.cfg = config
+        self.generation = generation
+        self.tokenizer = tokenizer
+        self.talker = talker
+        self.codec = codec
+        self.speaker_encoder = speaker_encoder
+        self.speech_tokenizer = speech_tokenizer
+        self.econfig = ec = engine_config or Qwen3EngineConfig()
+        speakers = tuple(config.speakers)
+        default = ec.default_voice or (speakers[0] if speakers else None)
+        self.info = EngineInfo(
+            name="qwen3", model=model_name, sample_rate=SAMPLE_RATE, voices=speakers,
+            languages=tuple(config.languages), default_voice=default,
+        )
+        self._voices: dict[str, _Voice] = {}
+        self._streams: dict[str, Qwen3Stream] = {}
+        shape = config.talker.shape
+        dtype_bytes = talker.codec_head.weight.element_size()
+        bytes_per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * dtype_bytes
+        if ec.kv_slots is not None:
+            layout = KVCacheLayout(ec.kv_slots, ec.max_len, bytes_per_token)
+        else:
+            layout = KVCacheLayout.from_budget(ec.kv_budget_bytes, bytes_per_token, ec.max_len + 1, ec.max_streams)
+            layout = KVCacheLayout(layout.num_slots, ec.max_len, bytes_per_token)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch=ec.max_batch, max_tokens_per_step=ec.max_tokens_per_step,
+                max_prefill_chunk=ec.max_prefill_chunk, codec_slots=ec.max_streams,
+                queue_limit=ec.queue_limit, max_codec_rows=ec.max_batch,
+                codec_frame_buckets=ec.codec_frame_buckets, eos_code=config.talker.codec_eos_id,
+                ttfa_target_s=ec.ttfa_target_s,
+            ),
+            KVCacheManager(layout),
+        )
+        self.runner = Runner(
+            talker, codec, config,
+            RunnerConfig(
+                num_slots=layout.num_slots, max_len=ec.max_len, codec_slots=ec.max_streams,
+                max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
+                codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=ec.max_batch,
+                enforce_eager=ec.enforce_eager,
+            ),
+        )
+        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, self._prepare)
+        self._ready = False
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+        engine_config: Qwen3EngineConfig | None = None,
+    ) -> Qwen3Engine:
+        from engine.loader import load_qwen3_tts
+
+        b = load_qwen3_tts(path, device, dtype)
+        if b.speech_tokenizer is None:
+            raise EngineError("the speech tokenizer (Code2Wav) could not be loaded")
+        return cls(
+            b.config, b.generation, b.tokenizer, b.talker, b.speech_tokenizer.decoder, engine_config,
+            model_name=Path(path).name, speaker_encoder=b.speaker_encoder, speech_tokenizer=b.speech_tokenizer,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.econfig.progress_bar and self.runner.graphs.enabled:
+            await asyncio.to_thread(capture_with_progress, self.runner)
+        else:
+            await asyncio.to_thread(self.runner.capture)
+        self.core.start()
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        for rid in list(self._streams):
+            self.core.abort(rid)
+        await asyncio.to_thread(self._drain_and_stop)
+
+    def _drain_and_stop(self) -> None:
+        if self.core.running:
+            self.core.stop()
+        for stream in list(self._streams.values()):
+            stream.channel.finish()
+        self._streams.clear()
+
+    def load(self) -> EngineLoad:
+        def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float]]:
+            return s.num_active, s.num_queued, s.kv.stats()
+
+        active, queued, kv = self.core.run_locked(snapshot)  # type: ignore[misc]
+        extra = dict(kv)
+        extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
+        extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
+        extra["step_time_ms"] = 1000 * self.scheduler.step_time_s
+        return EngineLoad(
+            active=active, queued=queued, capacity=self.econfig.max_streams,
+            queue_limit=self.econfig.queue_limit, ready=self._ready, extra=extra,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def _resolve_voice(self, request: SynthesisRequest) -> _Voice:
+        if request.ref_audio is not None:
+            raise InvalidRequest("one-off reference audio is not supported yet; register the voice first")
+        name = request.voice or self.info.default_voice
+        if name is None:
+            return _Voice()
+        if name in self._voices:
+            return self._voices[name]
+        if name.lower() in self.cfg.talker.speaker_ids:
+            return _Voice(speaker=name)
+        raise UnknownVoice(f"unknown voice {name!r}")
+
+    def _sampling(self, request: SynthesisRequest) -> RowSampling:
+        g = self.generation
+        seed = random.getrandbits(63) if request.seed is None else request.seed & SEED_MASK
+        greedy = request.greedy or not g.do_sample
+        return RowSampling(
+            seed=seed, greedy=greedy, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+            repetition_penalty=g.repetition_penalty,
+            sub_greedy=request.greedy or not g.subtalker_do_sample, sub_temperature=g.subtalker_temperature,
+            sub_top_k=g.subtalker_top_k, sub_top_p=g.subtalker_top_p,
+            min_new_tokens=request.forced_frames or g.min_new_tokens,
+            end_at=self._max_frames(request),
+        )
+
+    def _max_frames(self, request: SynthesisRequest) -> int:
+        if request.forced_frames is not None:
+            return request.forced_frames
+        if request.max_frames is not None:
+            return request.max_frames
+        return max(1, self.generation.max_new_tokens - 1)
+
+    def open(self, request: SynthesisRequest) -> Qwen3Stream:
+        if not self._ready:
+            raise EngineError("engine not started")
+        if request.speed != 1.0:
+            raise InvalidRequest("speed must be 1.0")
+        if request.request_id in self._streams:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        lang = (request.language or "auto").lower()
+        if lang not in self.cfg.languages:
+            raise InvalidRequest(f"unsupported language {request.language!r}")
+        voice = self._resolve_voice(request)
+        state = Request(
+            request_id=request.request_id,
+            priority=request.priority,
+            schedule=request.schedule,
+            arrival_time=self.scheduler.clock(),
+            ttfa_target_s=self.econfig.ttfa_target_s,
+            sampling=self._sampling(request),
+        )
+        stream = Qwen3Stream(self, request, voice, ChunkChannel())
+        self._streams[request.request_id] = stream
+        try:
+            self.core.add_request(state)
+        except Exception:
+            del self._streams[request.request_id]
+            raise
+        return stream
+
+    def _push(self, stream: Qwen3Stream, segment: TextSegment) -> None:
+        req, voice = stream._request, stream._voice
+        prompt_req = PromptRequest(
+            text=segment.text, language=segment.language or req.language, speaker=voice.speaker,
+            instruct=req.instructions, speaker_embedding=voice.speaker_embedding,
+            ref_codes=voice.ref_codes, ref_text=voice.ref_text,
+            non_streaming=self.econfig.non_streaming_text,
+        )
+        try:
+            tokens = tokenize_request(self.tokenizer, self.cfg, prompt_req)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        payload = SegmentPrompt(
+            tokens=tokens, speaker_embedding=voice.speaker_embedding, ref_codes=voice.ref_codes,
+            non_streaming=self.econfig.non_streaming_text,
+        )
+        seg = Segment(text=segment, prompt_len=0, max_frames=self._max_frames(req), payload=payload)
+        self.core.add_segment(stream.request_id, seg)
+
+    def _prepare(self, segment: Segment) -> None:
+        segment.prompt_len = self.runner.prepare(segment.payload)
+        if segment.prompt_len >= self.econfig.max_len:
+            raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {self.econfig.max_len}")
+
+    async def register_voice(
+        self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
+    ) -> None:
+        try:
+            from engine.voice_cache import build_voice  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise InvalidRequest("voice registration is not available in this build") from exc
+        if self.cfg.tts_model_type != "base":
+            raise InvalidRequest("voice cloning needs a Base model")
+        prompt = await asyncio.to_thread(
+            build_voice, self.speaker_encoder, self.speech_tokenizer, audio, sample_rate, text
+        )
+        self._voices[voice_id] = _Voice(
+            speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes, ref_text=prompt.ref_text
+        )
+
+    # -- outputs (step thread) -----------------------------------------------------------------
+    def _on_outputs(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            for seg in o.finished_segments:
+                stream.pending_words += estimate_words(seg)
+            if o.audio is not None:
+                words, stream.pending_words = tuple(stream.pending_words), []
+                stream.channel.put(AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset, words))
+                stream.samples_sent = o.sample_offset + len(o.audio)
+            if not o.finished:
+                continue
+            del self._streams[o.request_id]
+            if o.status == RequestStatus.FINISHED_STOPPED:
+                stream.channel.put(
+                    AudioChunk(
+                        o.request_id, np.zeros(0, np.float32), stream.samples_sent,
+                        tuple(stream.pending_words), final=True,
+                    )
+                )
+            elif o.status == RequestStatus.FINISHED_ERROR:
+                stream.channel.fail(EngineError(o.error or "synthesis failed"))
+            else:
+                stream.channel.finish()

@@ -1,0 +1,425 @@
+"""The GPU owner: turns a StepPlan into sampled frames and audio.
+
+Per step:
+  Code2Wav chunks      on their own CUDA stream (codes come from the host), overlapping the talker
+  talker decode rows   one CUDA graph per (batch bucket, attention-length bucket)
+  talker prefill       chunks padded into one eager batch (positions beyond a row's chunk go to the
+                       cache's scratch cell)
+  sampling             codebook 0 (penalty, EOS/control masks, per-row seeds) + the code
+                       predictor's 15-step loop, one CUDA graph per batch bucket, over the decode
+                       rows and the prefill rows that complete their context
+  host transfer        the sampled codes [rows, 16] (and the decoded audio)
+
+Per-stream state lives in device tables indexed by the talker slot (sampling parameters, the
+repetition-penalty seen-mask, the last frame's codes, the trailing text track); slot `num_slots` is
+a dummy row that padded batch entries read and write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
+from engine.models.codec import Code2Wav
+from engine.models.config import Qwen3TTSConfig
+from engine.models.talker import Talker
+from engine.plan import CodecChunk, PrefillChunk, StepOutput, StepPlan
+from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
+from engine.sampler import SEED_MASK, SamplingParams, mask_talker_logits, sample, suppression_mask
+
+
+@dataclass(slots=True)
+class RowSampling:
+    """One request's sampling settings (host values, written to the slot tables per segment)."""
+
+    seed: int
+    greedy: bool = False
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    sub_greedy: bool = False
+    sub_temperature: float = 0.9
+    sub_top_k: int = 50
+    sub_top_p: float = 1.0
+    min_new_tokens: int = 2  # EOS masked before this many frames (of a segment)
+    end_at: int = 1 << 30  # EOS forced at this frame (max or forced frames of a segment)
+
+
+@dataclass
+class SegmentPrompt:
+    """A segment's prompt inputs; `embeds` is built on the step thread by Runner.prepare()."""
+
+    tokens: PromptTokens
+    speaker_embedding: Tensor | None = None
+    ref_codes: Tensor | None = None
+    non_streaming: bool = False
+    embeds: PromptEmbeds | None = None
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    num_slots: int  # talker KV slots (the scheduler's KV layout)
+    max_len: int  # positions per slot usable by a segment (the cache holds one more: scratch)
+    codec_slots: int  # Code2Wav state rows
+    max_batch: int = 64  # rows per talker decode / sampling step
+    max_trailing: int = 256  # text-track positions per segment
+    kv_buckets: tuple[int, ...] = ()  # attention lengths captured for decode (max_len + 1 always)
+    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
+    max_codec_batch: int = 64
+    enforce_eager: bool = False
+
+
+def _slices(n: int, size: int) -> Iterator[slice]:
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))
+
+
+class Runner:
+    def __init__(
+        self,
+        talker: Talker,
+        codec: Code2Wav,
+        cfg: Qwen3TTSConfig,
+        config: RunnerConfig,
+    ) -> None:
+        self.talker = talker
+        self.codec = codec
+        self.cfg = cfg
+        self.config = config
+        p = talker.codec_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        dev = self.device
+        tc = cfg.talker
+        self.groups = tc.num_code_groups
+        self.eos = tc.codec_eos_id
+        self.dummy = config.num_slots
+        self.scratch = config.max_len
+        slots = config.num_slots + 1
+        self.cache = talker.allocate_cache(slots, config.max_len + 1, dev, self.dtype)
+        self.cp_cache = talker.code_predictor.allocate_cache(config.max_batch, dev, self.dtype)
+        self.suppress = suppression_mask(tc.vocab_size, tc.control_id_start, tc.codec_eos_id, dev)
+        h = tc.hidden_size
+        # per-slot tables
+        self.trail = torch.zeros(slots, config.max_trailing + 1, h, device=dev, dtype=self.dtype)
+        self.trail_len = [0] * slots
+        self.last_codes = torch.zeros(slots, self.groups, dtype=torch.long, device=dev)
+        self.seen = torch.zeros(slots, tc.vocab_size, dtype=torch.bool, device=dev)
+        self.p_float = torch.ones(slots, 5, device=dev)  # temperature, top_p, rep penalty, sub temp, sub top_p
+        self.p_int = torch.zeros(slots, 5, dtype=torch.long, device=dev)  # top_k, sub top_k, seed, min, end
+        self.p_bool = torch.zeros(slots, 2, dtype=torch.bool, device=dev)  # greedy, sub greedy
+        # static graph inputs / outputs
+        mb = config.max_batch
+        self.d_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, positions, text index
+        self.d_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
+        self.s_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, segment step, counter
+        self.s_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
+        self.s_codes = torch.zeros(mb, self.groups, dtype=torch.long, device=dev)
+        self._reset_static_inputs()
+        # codec
+        self.codec_dummy = config.codec_slots
+        codec.init_streams(config.codec_slots + 1)
+        self.codec_batches = batch_buckets(config.max_codec_batch)
+        self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        cuda = dev.type == "cuda"
+        self.codec_stream = torch.cuda.Stream(dev) if cuda else None
+        self.batches = batch_buckets(mb)
+        self.kv_buckets = sorted({k for k in config.kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
+        self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
+        self.samples_per_frame = codec.samples_per_frame
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        k = self.cache.k
+        return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
+
+    @property
+    def kv_bytes_per_stream(self) -> int:
+        return self.kv_bytes_per_token * (self.config.max_len + 1)
+
+    # -- prompts -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, prompt: SegmentPrompt) -> int:
+        """Build the prompt embeddings (step thread); returns the prompt length."""
+        if prompt.embeds is None:
+            prompt.embeds = build_prompt_embeds(
+                self.talker, self.cfg, prompt.tokens,
+                speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
+                non_streaming=prompt.non_streaming,
+            )
+        n = prompt.embeds.trailing.shape[0]
+        if n > self.config.max_trailing:
+            raise ValueError(f"segment text too long: {n} text positions > {self.config.max_trailing}")
+        return int(prompt.embeds.prefill.shape[0])
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        collect_audio = self._launch_codec(plan.codec, plan.codec_resets)
+        hidden: list[Tensor] = []
+        meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
+        if plan.decode:
+            hidden.append(self._decode(plan))
+            meta += [(r.kv_slot, r.frame_index, r.utterance_frame * self.groups) for r in plan.decode]
+        if plan.prefill:
+            h = self._prefill(plan.prefill)
+            if h is not None:
+                hidden.append(h)
+                meta += [
+                    (c.kv_slot, c.frame_index, c.utterance_frame * self.groups)
+                    for c in plan.prefill if c.samples_frame
+                ]
+        codes: list[list[int]] = []
+        if meta:
+            codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
+        return StepOutput(codes=codes, audio=collect_audio())
+
+    # -- talker decode -------------------------------------------------------------------------
+    def _decode(self, plan: StepPlan) -> Tensor:
+        rows = plan.decode
+        n = len(rows)
+        b = bucket_for(n, self.batches)
+        assert b is not None, f"{n} decode rows exceed max_batch"
+        top = max(r.position for r in rows) + 1
+        k = bucket_for(top, self.kv_buckets) or self.kv_buckets[-1]
+        pad = b - n
+        meta = [
+            [r.kv_slot for r in rows] + [self.dummy] * pad,
+            [r.position for r in rows] + [self.scratch] * pad,
+            [min(r.frame_index - 1, self.trail_len[r.kv_slot]) for r in rows] + [0] * pad,
+        ]
+        self.d_meta[:, :b].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        self.graphs.run(("decode", b, k), self._decode_fn(b, k))
+        return self.d_hidden[:n]
+
+    def _decode_fn(self, b: int, k: int) -> Callable[[], None]:
+        def fn() -> None:
+            slots, positions, text_index = self.d_meta[0, :b], self.d_meta[1, :b], self.d_meta[2, :b]
+            embeds = self.talker.frame_embedding(self.last_codes[slots]) + self.trail[slots, text_index]
+            out = self.talker(embeds[:, None], positions[:, None], self.cache, slots, k)
+            self.d_hidden[:b].copy_(out[:, 0])
+
+        return fn
+
+    # -- talker prefill (eager) ----------------------------------------------------------------
+    def _prefill(self, chunks: list[PrefillChunk]) -> Tensor | None:
+        rows, positions = [], []
+        for c in chunks:
+            if c.start == 0:
+                self._setup_slot(c)
+            rows.append(self._context(c)[c.start : c.start + c.length])
+            positions.append(list(range(c.start, c.start + c.length)))
+        t = max(len(p) for p in positions)
+        pos = [p + [self.scratch] * (t - len(p)) for p in positions]
+        embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        slots = torch.tensor([c.kv_slot for c in chunks], dtype=torch.long).to(self.device, non_blocking=True)
+        kv_len = max(c.start + c.length for c in chunks)
+        out = self.talker(embeds, pos_t, self.cache, slots, kv_len)
+        last = [out[i, c.length - 1] for i, c in enumerate(chunks) if c.samples_frame]
+        return torch.stack(last) if last else None
+
+    def _context(self, c: PrefillChunk) -> Tensor:
+        """The segment's talker inputs: the prompt, then (on a resume) the generated frames."""
+        prompt = c.payload.embeds
+        assert prompt is not None, "segment prompt not prepared"
+        ctx = prompt.prefill.to(self.dtype)
+        if c.codes and c.start + c.length > c.prompt_len:
+            codes = torch.tensor(c.codes, dtype=torch.long, device=self.device)
+            index = torch.clamp(torch.arange(len(c.codes), device=self.device), max=self.trail_len[c.kv_slot])
+            frames = self.talker.frame_embedding(codes) + self.trail[c.kv_slot, index]
+            ctx = torch.cat((ctx, frames))
+        return ctx
+
+    def _setup_slot(self, c: PrefillChunk) -> None:
+        """Fill a slot's tables at the start of a segment (or of a resume after preemption)."""
+        slot, prompt, s = c.kv_slot, c.payload.embeds, c.sampling
+        n = prompt.trailing.shape[0]
+        self.trail[slot, :n] = prompt.trailing.to(self.dtype)
+        self.trail[slot, n] = prompt.tts_pad.to(self.dtype)
+        self.trail_len[slot] = n
+        floats = [s.temperature, s.top_p, s.repetition_penalty, s.sub_temperature, s.sub_top_p]
+        ints = [s.top_k, s.sub_top_k, s.seed & SEED_MASK, s.min_new_tokens, s.end_at]
+        self.p_float[slot] = torch.tensor(floats, dtype=torch.float32)
+        self.p_int[slot] = torch.tensor(ints, dtype=torch.long)
+        self.p_bool[slot] = torch.tensor([s.greedy, s.sub_greedy])
+        self.seen[slot] = False
+        if c.codes:
+            first = torch.tensor([f[0] for f in c.codes], dtype=torch.long, device=self.device)
+            self.seen[slot, first] = True
+
+    # -- sampling + code predictor -------------------------------------------------------------
+    def _sample(self, hidden: Tensor, meta: list[tuple[int, int, int]]) -> list[list[int]]:
+        n = len(meta)
+        b = bucket_for(n, self.batches)
+        assert b is not None, f"{n} sampling rows exceed max_batch"
+        cols = list(zip(*meta, strict=True))
+        pad = b - n
+        host = [list(cols[0]) + [self.dummy] * pad, list(cols[1]) + [0] * pad, list(cols[2]) + [0] * pad]
+        self.s_meta[:, :b].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        self.s_hidden[:n].copy_(hidden)
+        self.graphs.run(("sample", b), self._sample_fn(b))
+        return self.s_codes[:n].cpu().tolist()  # the step's one host read of sampled codes
+
+    def _sample_fn(self, b: int) -> Callable[[], None]:
+        def fn() -> None:
+            slots, step, counter = self.s_meta[0, :b], self.s_meta[1, :b], self.s_meta[2, :b]
+            hidden = self.s_hidden[:b]
+            pf, pi, pb = self.p_float[slots], self.p_int[slots], self.p_bool[slots]
+            seed = pi[:, 2]
+            logits = mask_talker_logits(
+                self.talker.logits(hidden),
+                step=step,
+                seen=self.seen[slots],
+                repetition_penalty=pf[:, 2],
+                suppress=self.suppress,
+                eos_id=self.eos,
+                min_new_tokens=pi[:, 3],
+                end_at=pi[:, 4],
+            )
+            talker_params = SamplingParams(temperature=pf[:, 0], top_k=pi[:, 0], top_p=pf[:, 1], greedy=pb[:, 0])
+            first = sample(logits, talker_params, seed, counter)
+            self.seen[slots, first] = True
+            sub = SamplingParams(temperature=pf[:, 3], top_k=pi[:, 1], top_p=pf[:, 4], greedy=pb[:, 1])
+            codes = self.talker.predict_codes(hidden, first, sub, seed, counter, self.cp_cache)
+            self.last_codes[slots] = codes
+            self.s_codes[:b].copy_(codes)
+
+        return fn
+
+    # -- Code2Wav ------------------------------------------------------------------------------
+    def _codec_ctx(self) -> contextlib.AbstractContextManager[object]:
+        if self.codec_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.codec_stream)
+
+    def _codec_buffers(self, b: int, f: int) -> tuple[Tensor, Tensor, Tensor]:
+        key = (b, f)
+        if key not in self._codec_io:
+            slots = torch.full((b,), self.codec_dummy, dtype=torch.long, device=self.device)
+            codes = torch.zeros(b, f, self.groups, dtype=torch.long, device=self.device)
+            dtype = next(self.codec.parameters()).dtype
+            out = torch.zeros(b, f * self.samples_per_frame, device=self.device, dtype=dtype)
+            self._codec_io[key] = (slots, codes, out)
+        return self._codec_io[key]
+
+    def _codec_fn(self, b: int, f: int) -> Callable[[], None]:
+        slots, codes, out = self._codec_buffers(b, f)
+
+        def fn() -> None:
+            out.copy_(self.codec.decode_step(slots, codes))
+
+        return fn
+
+    def _launch_codec(
+        self, chunks: list[CodecChunk], resets: list[int]
+    ) -> Callable[[], dict[str, np.ndarray]]:
+        if not chunks and not resets:
+            return dict
+        pieces: list[tuple[list[CodecChunk], Tensor]] = []
+        with self._codec_ctx():
+            if self.codec_stream is not None:
+                self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if resets:
+                self.codec.reset(torch.tensor(resets, dtype=torch.long, device=self.device))
+            by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
+            for c in chunks:
+                by_frames[c.num_frames].append(c)
+            for f, group in by_frames.items():
+                for part in _slices(len(group), self.config.max_codec_batch):
+                    rows = group[part]
+                    pieces.append((rows, self._decode_codec(rows, f)))
+            host = [(rows, wav.to("cpu", non_blocking=True)) for rows, wav in pieces]
+            done = torch.cuda.Event() if self.codec_stream is not None else None
+            if done is not None:
+                done.record(self.codec_stream)
+
+        def collect() -> dict[str, np.ndarray]:
+            if done is not None:
+                done.synchronize()
+            audio: dict[str, np.ndarray] = {}
+            for rows, wav in host:
+                arr = wav.float().numpy()
+                for i, c in enumerate(rows):
+                    audio[c.request_id] = arr[i]
+            return audio
+
+        return collect
+
+    def _decode_codec(self, rows: list[CodecChunk], f: int) -> Tensor:
+        n = len(rows)
+        b = bucket_for(n, self.codec_batches) or n
+        codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
+        slot_list = [c.codec_slot for c in rows] + [self.codec_dummy] * (b - n)
+        if ("codec", b, f) not in self.graphs.graphs:
+            slots = torch.tensor(slot_list[:n], dtype=torch.long).to(self.device, non_blocking=True)
+            return self.codec.decode_step(slots, codes.to(self.device, non_blocking=True))
+        slots_buf, codes_buf, out = self._codec_buffers(b, f)
+        slots_buf.copy_(torch.tensor(slot_list, dtype=torch.long), non_blocking=True)
+        codes_buf[:n].copy_(codes, non_blocking=True)
+        self.graphs.run(("codec", b, f), self._codec_fn(b, f))
+        return out[:n]
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _reset_static_inputs(self) -> None:
+        self.d_meta[0].fill_(self.dummy)
+        self.d_meta[1].fill_(self.scratch)
+        self.d_meta[2].zero_()
+        self.s_meta[0].fill_(self.dummy)
+        self.s_meta[1:].zero_()
+
+    def graph_keys(self) -> list[tuple[object, ...]]:
+        """Every graph, largest first within each kind."""
+        keys: list[tuple[object, ...]] = []
+        keys += [("decode", b, k) for b in reversed(self.batches) for k in reversed(self.kv_buckets)]
+        keys += [("sample", b) for b in reversed(self.batches)]
+        keys += [
+            ("codec", b, f)
+            for b in reversed(self.codec_batches)
+            for f in sorted(self.config.codec_frame_buckets, reverse=True)
+        ]
+        return keys
+
+    @torch.no_grad()
+    def capture(self, progress: Callable[[int, int, object], None] | None = None) -> int:
+        """Capture all graphs (no-op when eager or on CPU); returns the number captured."""
+        if not self.graphs.enabled:
+            return 0
+        keys = self.graph_keys()
+        for i, key in enumerate(keys):
+            self._reset_static_inputs()
+            if key[0] == "decode":
+                fn = self._decode_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
+            elif key[0] == "sample":
+                fn = self._sample_fn(int(key[1]))  # type: ignore[call-overload]
+            else:
+                fn = self._codec_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
+            self.graphs.capture(key, fn)
+            if progress is not None:
+                progress(i + 1, len(keys), key)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
+
+def capture_with_progress(runner: Runner) -> int:
+    """Capture the runner's graphs behind a rich progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("capturing CUDA graphs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ) as bar:
+        task = bar.add_task("", total=len(runner.graph_keys()))
+
+        def step(done: int, total: int, key: object) -> None:
+            bar.update(task, completed=done, description=str(key))
+
+        return runner.capture(step)
