@@ -71,11 +71,11 @@ def played_position(
         return max(0, min(client_ms, sent_ms)), "client"
     if report is not None:
         extrapolated = report.played_ms + max(0.0, now - report.at) * 1000.0
-        return max(0, min(int(extrapolated), sent_ms)), "report"
+        return max(0, min(round(extrapolated), sent_ms)), "report"
     if first_sent_at is None:
         return 0, "server"
     elapsed = max(0.0, now - first_sent_at) * 1000.0
-    return max(0, min(int(elapsed), sent_ms)), "server"
+    return max(0, min(round(elapsed), sent_ms)), "server"
 
 
 def cut_at(words: Sequence[Word], text: str, played_ms: int) -> Cut:

@@ -87,6 +87,8 @@ class Segmenter:
             c = text[i]
             if c in SENTENCE_WIDE or c in CLAUSE_WIDE:
                 end = self._after_closers(i + 1)
+                if end == len(text) and not final:
+                    return None  # a closing quote may follow
                 if c in SENTENCE_WIDE or end >= self.clause_min_chars:
                     return self._after_space(end)
             elif c == "\n" and text[:i].strip():
