@@ -40,7 +40,7 @@ from engine.models.talker import Talker
 from engine.plan import RequestOutput
 from engine.prompts import PromptRequest, tokenize_request
 from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
-from engine.runner import Runner, RunnerConfig, RowSampling, SegmentPrompt, capture_with_progress
+from engine.runner import RowSampling, Runner, RunnerConfig, SegmentPrompt, capture_with_progress
 from engine.sampler import SEED_MASK
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import TextTokenizer

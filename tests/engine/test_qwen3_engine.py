@@ -1,0 +1,159 @@
+"""Qwen3Engine on a tiny random model on the CPU: streaming, cancel, parity with the offline path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import SynthesisRequest, TextSegment
+from engine.generate import GenerationRequest, generate_codes
+from engine.loader import load_qwen3_tts, read_tensors, weight_files
+from engine.models.codec import Code2Wav
+from engine.prompts import PromptRequest, build_prompt
+from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
+from engine.request import RequestStatus
+
+pytestmark = pytest.mark.reference
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.reference_builders import build_reference_tts
+
+    return build_reference_tts("custom_voice", tmp_path_factory.mktemp("tiny_cv"))
+
+
+@pytest.fixture(scope="module")
+def bundle(checkpoint):
+    torch.manual_seed(0)
+    b = load_qwen3_tts(checkpoint, "cpu", torch.float32)
+    st = checkpoint / "speech_tokenizer"
+    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
+    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
+    return b, codec.eval()
+
+
+def make_engine(bundle, **overrides) -> Qwen3Engine:
+    b, codec = bundle
+    cfg = dict(max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False)
+    cfg.update(overrides)
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, Qwen3EngineConfig(**cfg))
+    engine._ready = True  # steps are driven by hand below (no step thread)
+    return engine
+
+
+def drive(engine: Qwen3Engine, max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if not engine.scheduler.has_work() and not engine.core._text:
+            return
+        engine.core._emit(engine.core.step())
+
+
+async def collect(stream) -> list:
+    return [chunk async for chunk in stream]
+
+
+def offline_codes(bundle, text: str, frames: int) -> torch.Tensor:
+    b, _ = bundle
+    prompt = build_prompt(b.talker, b.config, b.tokenizer, PromptRequest(text=text, language="English",
+                                                                           speaker="ryan"))
+    (codes,) = generate_codes(b.talker, [GenerationRequest(prompt=prompt, greedy=True, max_frames=frames)],
+                              b.generation)
+    return codes
+
+
+def open_greedy(engine, rid: str, text: str, frames: int):
+    stream = engine.open(SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True,
+                                          max_frames=frames))
+    state = engine.scheduler.requests[rid]
+    stream.push(TextSegment(text, char_start=0))
+    stream.close_text()
+    return stream, state
+
+
+async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
+    engine = make_engine(bundle)
+    stream, state = open_greedy(engine, "a", "Hello world. How are you?", 9)
+    drive(engine)
+    chunks = await collect(stream)
+    assert chunks[-1].final and len(chunks) >= 3
+    offset = 0
+    for c in chunks:
+        assert c.sample_offset == offset
+        offset += len(c.samples)
+    assert offset == state.frames_generated * 1920 and state.frames_generated == 9
+    assert chunks[0].samples.size == 1920  # first chunk: one frame
+    words = [w for c in chunks for w in c.words]
+    assert [w.text for w in words] == ["Hello", "world.", "How", "are", "you?"]
+    assert words[0].char_start == 0 and words[-1].char_end == len("Hello world. How are you?")
+    assert all(w.source == "estimate" and w.start_sample < w.end_sample <= offset for w in words)
+    assert state.status == RequestStatus.FINISHED_STOPPED
+
+
+async def test_batched_greedy_output_equals_offline_generation_and_streamed_audio_equals_offline_decode(bundle):
+    _, codec = bundle
+    engine = make_engine(bundle)
+    texts = {"a": ("Hello world.", 7), "b": ("The quick brown fox jumps over the lazy dog.", 11),
+             "c": ("Good morning", 5)}
+    opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
+    drive(engine)
+    for rid, (text, n) in texts.items():
+        stream, state = opened[rid]
+        expected = offline_codes(bundle, text, n)
+        got = torch.tensor(state.codes)
+        assert got.shape == expected.shape and torch.equal(got, expected), rid
+        audio = np.concatenate([c.samples for c in await collect(stream)])
+        with torch.no_grad():
+            offline = codec.decode(expected[None])[0].numpy()
+        np.testing.assert_allclose(audio, offline, atol=1e-4)
+
+
+async def test_multi_segment_utterance_continues_one_codec_stream(bundle):
+    _, codec = bundle
+    engine = make_engine(bundle)
+    stream = engine.open(SynthesisRequest(request_id="m", voice="ryan", language="English", greedy=True,
+                                          max_frames=4))
+    state = engine.scheduler.requests["m"]
+    stream.push(TextSegment("Hello world.", char_start=0))
+    stream.push(TextSegment("Good morning", char_start=13))
+    stream.close_text()
+    drive(engine)
+    chunks = await collect(stream)
+    assert [s.first_frame for s in state.done_segments] == [0, 4]
+    audio = np.concatenate([c.samples for c in chunks])
+    with torch.no_grad():
+        offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
+    np.testing.assert_allclose(audio, offline, atol=1e-4)
+    words = [w for c in chunks for w in c.words]
+    assert [w.char_start for w in words] == [0, 6, 13, 18]
+
+
+async def test_cancel_frees_the_slot_at_the_next_step(bundle):
+    engine = make_engine(bundle, kv_slots=1, max_streams=2)
+    stream_a, a = open_greedy(engine, "a", "Hello world.", 50)
+    stream_b, b = open_greedy(engine, "b", "Good morning", 3)
+    for _ in range(3):
+        engine.core._emit(engine.core.step())
+    assert a.kv_slot == 0 and b.kv_slot is None
+    stream_a.cancel()
+    assert a.kv_slot == 0  # applied at the next step, not before
+    engine.core._emit(engine.core.step())
+    assert a.status == RequestStatus.FINISHED_CANCELLED and a.kv_slot is None and a.codec_slot is None
+    assert b.kv_slot == 0  # the freed slot went to the waiting request in the same step
+    drive(engine)
+    chunks_a = await collect(stream_a)
+    assert not any(c.final for c in chunks_a)
+    assert (await collect(stream_b))[-1].final
+
+
+def test_load_reports_kv_bytes_per_stream(bundle):
+    engine = make_engine(bundle)
+    load = engine.load()
+    shape = bundle[0].config.talker.shape
+    per_token = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4
+    assert load.capacity == 4 and load.active == 0
+    assert load.extra["kv_bytes_per_stream"] == per_token * 129
+    assert load.extra["kv_bytes_per_token"] == per_token
