@@ -1,0 +1,366 @@
+"""The Cadence load test: a closed-loop concurrency sweep over `WS /v1/stream` (bench/README.md).
+
+C streams, each its own WebSocket session, each sending one corpus prompt at a time (prompts drawn
+in order, cycling, across all streams) and waiting for its last packet before the next. Streams are
+spread over several processes, each running an asyncio loop; their records are merged per point.
+Every request may carry `"bench": {"forced_frames": N}` in its `speak.append` (the row's `frames`),
+which the gateway passes to the engine as SynthesisRequest.forced_frames.
+
+    cadence bench --url ws://127.0.0.1:8000/v1/stream --corpus bench/corpus.jsonl \
+        --concurrency 1,8,32,64 --min-seconds 60 -o deploy/bench/run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from importlib import metadata
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import Any
+
+from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Session, connect
+from clients.loadtest_report import PRICE_PER_HOUR_USD, RequestRecord, headline, plot, summarize
+
+DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
+DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
+STREAMS_PER_PROCESS = 128
+GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    frames: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerJob:
+    url: str
+    streams: tuple[int, ...]
+    prompts: tuple[Prompt, ...]
+    session_options: dict[str, Any]
+    forced: bool
+    buffer_ms: float
+    warmup_s: float
+
+
+@dataclass(slots=True)
+class Shared:
+    """Cross-process state of one point."""
+
+    ready: Any  # mp.Value("i"): workers whose sessions are open
+    go: EventType  # start the closed loop
+    stop: EventType  # send no new request
+    start_at: Any  # mp.Value("d"): perf_counter of go
+    next_prompt: Any  # mp.Value("i"): the corpus cursor
+    measured: Any  # mp.Value("i"): requests sent inside the window and finished
+    results: Any  # mp.Queue: one list of RequestRecord per worker
+
+
+def load_corpus(path: Path) -> list[Prompt]:
+    prompts = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            prompts.append(Prompt(str(row["text"]), int(row["frames"]) if row.get("frames") else None))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+# -- one worker process ---------------------------------------------------------------------------
+def _worker(job: WorkerJob, shared: Shared) -> None:
+    records = asyncio.run(_run_streams(job, shared))
+    shared.results.put(records)
+
+
+async def _run_streams(job: WorkerJob, shared: Shared) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    async with contextlib.AsyncExitStack() as stack:
+        connecting = asyncio.Semaphore(32)
+
+        async def open_session() -> Session:
+            async with connecting:
+                return await stack.enter_async_context(connect(job.url, **job.session_options))
+
+        sessions = await asyncio.gather(*(open_session() for _ in job.streams))
+        with shared.ready.get_lock():
+            shared.ready.value += 1
+        await asyncio.to_thread(shared.go.wait)
+        measure_from = shared.start_at.value + job.warmup_s
+        await asyncio.gather(
+            *(
+                _stream_loop(session, stream, job, shared, measure_from, records)
+                for session, stream in zip(sessions, job.streams, strict=True)
+            )
+        )
+    return records
+
+
+async def _stream_loop(
+    session: Session,
+    stream: int,
+    job: WorkerJob,
+    shared: Shared,
+    measure_from: float,
+    out: list[RequestRecord],
+) -> None:
+    while not shared.stop.is_set():
+        with shared.next_prompt.get_lock():
+            index = shared.next_prompt.value
+            shared.next_prompt.value += 1
+        record = await one_request(session, stream, job.prompts[index % len(job.prompts)], job)
+        out.append(record)
+        if record.ok and record.ended_at >= measure_from:
+            with shared.measured.get_lock():
+                shared.measured.value += 1
+        if record.error == "connection_closed":
+            return
+        if record.error is not None:
+            await asyncio.sleep(0.1)  # e.g. overloaded: back off a little before the next request
+
+
+async def one_request(session: Session, stream: int, prompt: Prompt, job: WorkerJob) -> RequestRecord:
+    uid = session.new_utterance_id()
+    extra: dict[str, Any] = (
+        {"bench": {"forced_frames": prompt.frames}} if job.forced and prompt.frames else {}
+    )
+    clock = PlaybackClock(session.sample_rate, job.buffer_ms)
+    first: float | None = None
+    last: float | None = None
+    samples = 0
+    error: str | None = None
+    await session.append(uid, prompt.text, **extra)
+    await session.end(uid)
+    ended = time.perf_counter()
+    async for event in session.events(uid):
+        if isinstance(event, Packet):
+            first = event.received_at if first is None else first
+            last = event.received_at
+            samples += event.samples
+            clock.on_packet(event.samples, event.received_at)
+        elif isinstance(event, Error):
+            error = event.code
+        elif isinstance(event, Interrupted):
+            error = "interrupted"
+        elif isinstance(event, Done):
+            break
+    return RequestRecord(
+        stream, len(prompt.text), samples / session.sample_rate, ended, first, last, clock.underruns, error
+    )
+
+
+# -- one point --------------------------------------------------------------------------------------
+def run_point(
+    args: argparse.Namespace, prompts: list[Prompt], concurrency: int, progress: Any
+) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    processes = args.processes or max(
+        1, min(os.cpu_count() or 1, math.ceil(concurrency / STREAMS_PER_PROCESS))
+    )
+    processes = min(processes, concurrency)
+    shared = Shared(
+        ctx.Value("i", 0),
+        ctx.Event(),
+        ctx.Event(),
+        ctx.Value("d", 0.0),
+        ctx.Value("i", 0),
+        ctx.Value("i", 0),
+        ctx.Queue(),
+    )
+    jobs = [
+        WorkerJob(
+            args.url,
+            tuple(range(p, concurrency, processes)),
+            tuple(prompts),
+            session_options(args),
+            not args.no_forced,
+            args.buffer_ms,
+            args.warmup_seconds,
+        )
+        for p in range(processes)
+    ]
+    workers = [ctx.Process(target=_worker, args=(job, shared), daemon=True) for job in jobs]
+    for worker in workers:
+        worker.start()
+    target = 3 * concurrency
+    task = progress.add_task(f"C={concurrency}: connecting", total=target)
+    deadline = time.perf_counter() + 120
+    while shared.ready.value < processes:
+        if time.perf_counter() > deadline or not all(w.is_alive() for w in workers):
+            shared.stop.set()
+            shared.go.set()
+            raise RuntimeError(f"C={concurrency}: the load-test workers could not open their sessions")
+        time.sleep(0.05)
+    shared.start_at.value = time.perf_counter()
+    shared.go.set()
+    window_start = shared.start_at.value + args.warmup_seconds
+    while True:
+        now = time.perf_counter()
+        phase = "warming up" if now < window_start else "measuring"
+        progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: {phase}")
+        long_enough = now >= window_start + args.min_seconds and shared.measured.value >= target
+        if long_enough or now >= window_start + args.max_seconds or not any(w.is_alive() for w in workers):
+            break
+        time.sleep(0.2)
+    window_end = time.perf_counter()
+    shared.stop.set()
+    progress.update(task, description=f"C={concurrency}: draining")
+    records: list[RequestRecord] = []
+    for _ in workers:
+        records.extend(shared.results.get(timeout=args.max_seconds + 120))
+    for worker in workers:
+        worker.join(timeout=10)
+    progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
+    gpu = gpu_memory_gb(args.metrics_url or metrics_url(args.url))
+    return summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+
+
+def session_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"pacing": args.pacing, "timestamps": "word"}
+    for name in ("voice", "language", "token"):
+        if getattr(args, name):
+            options[name] = getattr(args, name)
+    return options
+
+
+# -- run metadata -------------------------------------------------------------------------------------
+def metrics_url(stream_url: str) -> str:
+    base = stream_url.replace("wss://", "https://").replace("ws://", "http://")
+    return base.split("/v1/")[0] + "/metrics"
+
+
+def gpu_memory_gb(url: str) -> float | None:
+    """Peak GPU memory from the gateway's /metrics, when the engine reports it."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(GPU_MEMORY_METRIC):
+            return round(float(line.split()[-1]) / 1e9, 2)
+    return None
+
+
+def _command_output(*command: str) -> str | None:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+async def server_engine(args: argparse.Namespace) -> dict[str, Any]:
+    async with connect(args.url, **session_options(args)) as session:
+        return dict(session.engine)
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that produced a run, as a person would type it again."""
+    args = sys.argv[1:] if argv is None else argv
+    if Path(sys.argv[0]).name.startswith("cadence"):
+        return shlex.join(["cadence", "bench", *args])
+    return shlex.join(["python", "-m", "clients.loadtest", *args])
+
+
+def run_metadata(args: argparse.Namespace, engine: dict[str, Any], argv: list[str] | None) -> dict[str, Any]:
+    gpu = args.gpu or _command_output("nvidia-smi", "--query-gpu=name", "--format=csv,noheader")
+    return {
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        "gpu": gpu.splitlines()[0] if gpu else None,
+        "model_shapes": args.model_shapes,
+        "engine": engine,
+        "commit": _command_output("git", "rev-parse", "HEAD"),
+        "versions": {"python": platform.python_version(), "websockets": metadata.version("websockets")},
+        "command": command_line(argv),
+    }
+
+
+# -- the command -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cadence bench", description="Closed-loop concurrency sweep over /v1/stream."
+    )
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--corpus", type=Path, default=Path("bench/corpus.jsonl"), help="JSON lines: text, frames")
+    p.add_argument(
+        "--concurrency", default=DEFAULT_LEVELS, help=f"comma-separated C values ({DEFAULT_LEVELS})"
+    )
+    p.add_argument("--min-seconds", type=float, default=60.0, help="measure at least this long per point")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="stop a point after this long regardless")
+    p.add_argument("--warmup-seconds", type=float, default=10.0, help="closed loop before measuring")
+    p.add_argument("--stop-rtf", type=float, default=1.5, help="end the sweep once p90 RTF exceeds this")
+    p.add_argument(
+        "--processes", type=int, default=0, help=f"client processes (0: one per {STREAMS_PER_PROCESS})"
+    )
+    p.add_argument("--buffer-ms", type=float, default=150.0, help="player buffer for the underrun figure")
+    p.add_argument("--no-forced", action="store_true", help="do not send bench.forced_frames")
+    p.add_argument("--pacing", choices=("asap", "realtime"), default="asap")
+    p.add_argument("--voice")
+    p.add_argument("--language")
+    p.add_argument("--token")
+    p.add_argument("--price-per-hour", type=float, default=PRICE_PER_HOUR_USD)
+    p.add_argument("--gpu", help="GPU name for the record (default: nvidia-smi here)")
+    p.add_argument("--model-shapes", default=None, help='e.g. "1.7B" or "0.6B"')
+    p.add_argument("--metrics-url", help="gateway /metrics (default: from --url)")
+    p.add_argument("-o", "--output", type=Path, default=None, help="JSON path (PNGs beside it)")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    prompts = load_corpus(args.corpus)
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    engine = asyncio.run(server_engine(args))
+    output: Path = (
+        args.output
+        or Path("deploy/bench")
+        / f"loadtest-{engine.get('name', 'engine')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    run = run_metadata(args, engine, argv)
+    run.update({"points": [], "reference": None, "headline": None, "scaling_ratio": None})
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for concurrency in levels:
+            point = run_point(args, prompts, concurrency, progress)
+            run["points"].append(point)
+            run["headline"] = headline(run["points"])
+            output.write_text(json.dumps(run, indent=1, ensure_ascii=False) + "\n")
+            progress.console.print(
+                f"C={concurrency}: {point['requests']} req, TTFA p50/p90 {point['ttfa_p50_ms']}/"
+                f"{point['ttfa_p90_ms']} ms, RTF p50/p90 {point['rtf_p50']}/{point['rtf_p90']}, "
+                f"underrun {point['underrun_streams_pct']} %, {point['chars_per_s']} chars/s, "
+                f"${point['usd_per_m_chars']}/M chars, errors {point['errors']}"
+            )
+            if point["rtf_p90"] is not None and point["rtf_p90"] > args.stop_rtf:
+                break
+    if not args.no_plots and run["points"]:
+        title = f"{engine.get('name', '')} {engine.get('model', '')} — {run['gpu'] or 'no GPU'}"
+        for path in plot(run["points"], output.with_suffix(""), title):
+            console.print(f"wrote {path}")
+    console.print(f"wrote {output}; headline {run['headline']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_main())

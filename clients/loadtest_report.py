@@ -1,0 +1,172 @@
+"""Figures of a load-test point, the run's JSON and its plots (definitions: bench/README.md)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PRICE_PER_HOUR_USD = 6.50  # H100 list price per hour, as in the seed
+REALTIME_RTF = 1.0
+HEADLINE_TTFA_MS = 200.0
+HEADLINE_UNDERRUN_PCT = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request of the closed loop, as the load-test client measured it."""
+
+    stream: int
+    chars: int
+    audio_s: float
+    ended_at: float  # perf_counter when speak.end was sent
+    first_packet_at: float | None
+    last_packet_at: float | None
+    underruns: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first_packet_at is not None and self.audio_s > 0
+
+    @property
+    def ttfa_ms(self) -> float:
+        assert self.first_packet_at is not None
+        return (self.first_packet_at - self.ended_at) * 1000.0
+
+    @property
+    def rtf(self) -> float:
+        assert self.last_packet_at is not None
+        return (self.last_packet_at - self.ended_at) / self.audio_s
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def usd_per_m_chars(chars_per_s: float, price_per_hour: float = PRICE_PER_HOUR_USD) -> float | None:
+    return 1e6 * price_per_hour / (3600.0 * chars_per_s) if chars_per_s > 0 else None
+
+
+def summarize(
+    concurrency: int,
+    records: Sequence[RequestRecord],
+    window: tuple[float, float],
+    price_per_hour: float = PRICE_PER_HOUR_USD,
+    gpu_mem_gb: float | None = None,
+) -> dict[str, Any]:
+    """One point: latency over requests sent inside the window, throughput over completions in it."""
+    start, end = window
+    measured = [r for r in records if r.ended_at >= start]
+    good = [r for r in measured if r.ok]
+    completed = [
+        r for r in records if r.ok and r.last_packet_at is not None and start <= r.last_packet_at <= end
+    ]
+    wall = max(end - start, 1e-9)
+    chars_per_s = sum(r.chars for r in completed) / wall
+    ttfa = [r.ttfa_ms for r in good]
+    rtf = [r.rtf for r in good]
+    return {
+        "concurrency": concurrency,
+        "requests": len(good),
+        "errors": len(measured) - len(good),
+        "ttfa_p50_ms": _round(percentile(ttfa, 50)),
+        "ttfa_p90_ms": _round(percentile(ttfa, 90)),
+        "ttfa_p99_ms": _round(percentile(ttfa, 99)),
+        "rtf_p50": _round(percentile(rtf, 50), 4),
+        "rtf_p90": _round(percentile(rtf, 90), 4),
+        "underrun_streams_pct": _round(100.0 * sum(r.underruns > 0 for r in good) / len(good))
+        if good
+        else None,
+        "chars_per_s": _round(chars_per_s),
+        "audio_s_per_s": _round(sum(r.audio_s for r in completed) / wall, 3),
+        "usd_per_m_chars": _round(usd_per_m_chars(chars_per_s, price_per_hour), 4),
+        "gpu_mem_gb": gpu_mem_gb,
+        "window_s": _round(wall, 3),
+    }
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    if value is None or math.isnan(value):
+        return None
+    return round(value, digits)
+
+
+def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The largest C with p90 RTF < 1, p90 TTFA < 200 ms and no underrun in 99 % of streams."""
+    passing = [
+        p
+        for p in points
+        if p["rtf_p90"] is not None
+        and p["rtf_p90"] < REALTIME_RTF
+        and p["ttfa_p90_ms"] is not None
+        and p["ttfa_p90_ms"] < HEADLINE_TTFA_MS
+        and (p["underrun_streams_pct"] or 0.0) <= HEADLINE_UNDERRUN_PCT
+    ]
+    if not passing:
+        return {"concurrency": 0, "chars_per_s": 0, "usd_per_m_chars": None}
+    best = max(passing, key=lambda p: p["concurrency"])
+    return {
+        "concurrency": best["concurrency"],
+        "chars_per_s": best["chars_per_s"],
+        "usd_per_m_chars": best["usd_per_m_chars"],
+    }
+
+
+def plot(points: Sequence[dict[str, Any]], stem: Path, title: str) -> list[Path]:
+    """RTF and TTFA (p50 / p90) against C with the real-time line; $/M chars against C."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [p["concurrency"] for p in points]
+
+    def series(key: str) -> list[float]:
+        return [math.nan if p[key] is None else p[key] for p in points]
+
+    written: list[Path] = []
+    fig, (ax_rtf, ax_ttfa) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_rtf.plot(cs, series("rtf_p50"), "o-", label="RTF p50")
+    ax_rtf.plot(cs, series("rtf_p90"), "s-", label="RTF p90")
+    ax_rtf.axhline(REALTIME_RTF, color="red", ls="--", lw=1, label="real time")
+    ax_rtf.set(xlabel="concurrent streams", ylabel="RTF", title="real-time factor")
+    ax_ttfa.plot(cs, series("ttfa_p50_ms"), "o-", label="TTFA p50")
+    ax_ttfa.plot(cs, series("ttfa_p90_ms"), "s-", label="TTFA p90")
+    ax_ttfa.axhline(HEADLINE_TTFA_MS, color="red", ls="--", lw=1, label=f"{HEADLINE_TTFA_MS:.0f} ms")
+    ax_ttfa.set(xlabel="concurrent streams", ylabel="ms", title="time to first audio")
+    for ax in (ax_rtf, ax_ttfa):
+        if len(cs) > 1 and max(cs) / max(min(cs), 1) > 8:
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_latency.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.plot(cs, series("usd_per_m_chars"), "o-", color="green")
+    ax.set(xlabel="concurrent streams", ylabel="$ per million characters", title="cost")
+    if len(cs) > 1 and max(cs) / max(min(cs), 1) > 8:
+        ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_cost.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written

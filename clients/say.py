@@ -1,0 +1,86 @@
+"""`cadence say "text" -o out.wav --words`: speak a text through a running gateway into a WAV file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import wave
+from typing import TextIO
+
+import websockets
+
+from clients.client import ClientError, Done, Error, Interrupted, Packet, Word, Words, connect
+
+DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence say", description="Speak a text into a WAV file.")
+    parser.add_argument("text", help="the text to speak ('-' reads standard input)")
+    parser.add_argument("-o", "--output", default="out.wav", help="WAV file to write (default out.wav)")
+    parser.add_argument("--words", action="store_true", help="print each word with its start and end time")
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"gateway stream endpoint (default {DEFAULT_URL})")
+    parser.add_argument("--voice", default=None, help="a preset or registered voice id")
+    parser.add_argument("--language", default=None, help='e.g. "English", "Chinese" or "Auto"')
+    parser.add_argument("--instructions", default=None, help="style instruction, where the engine takes one")
+    parser.add_argument("--sample-rate", type=int, default=None, help="output rate (default: the server's)")
+    parser.add_argument("--token", default=None, help="bearer token, when the gateway has keys")
+    return parser
+
+
+async def say(args: argparse.Namespace, out: TextIO) -> int:
+    pcm = bytearray()
+    words: list[Word] = []
+    async with connect(
+        args.url,
+        voice=args.voice,
+        language=args.language,
+        instructions=args.instructions,
+        encoding="pcm_s16le",
+        sample_rate=args.sample_rate,
+        token=args.token,
+    ) as session:
+        async for event in session.speak(args.text):
+            if isinstance(event, Packet):
+                at = event.sample_offset * 2  # place by offset: a gap would stay silent
+                if at > len(pcm):
+                    pcm += bytes(at - len(pcm))
+                pcm[at : at + len(event.payload)] = event.payload
+            elif isinstance(event, Words):
+                words.extend(event.words)
+                if args.words:
+                    for word in event.words:
+                        print(f"{word.start_ms / 1000:8.3f} {word.end_ms / 1000:8.3f}  {word.text}", file=out)
+            elif isinstance(event, Error):
+                print(f"error: {event.code}: {event.message}", file=sys.stderr)
+                return 1
+            elif isinstance(event, Interrupted):
+                print("error: the utterance was interrupted", file=sys.stderr)
+                return 1
+            elif isinstance(event, Done):
+                break
+        rate = session.sample_rate
+    with wave.open(args.output, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes(bytes(pcm))
+    seconds = len(pcm) / 2 / rate
+    print(f"wrote {args.output}: {seconds:.2f} s at {rate} Hz, {len(words)} words", file=sys.stderr)
+    return 0
+
+
+def say_main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.text == "-":
+        args.text = sys.stdin.read()
+    try:
+        return asyncio.run(say(args, out or sys.stdout))
+    except (ClientError, OSError, websockets.WebSocketException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(say_main())

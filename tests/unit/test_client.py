@@ -1,0 +1,154 @@
+"""Client pieces without sockets: the playback clock, event and packet decoding, load-test figures."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from clients.client import (
+    Done,
+    Error,
+    Interrupted,
+    PlaybackClock,
+    Started,
+    Word,
+    Words,
+    decode_event,
+    decode_packet,
+)
+from clients.loadtest_report import RequestRecord, headline, percentile, summarize, usd_per_m_chars
+
+RATE = 24_000
+PACKET = 480  # 20 ms
+
+
+# -- PlaybackClock -------------------------------------------------------------------------------
+def test_clock_starts_after_buffer_and_runs_at_real_time() -> None:
+    clock = PlaybackClock(RATE, buffer_ms=150)
+    assert clock.played_ms(at=5.0) == 0  # nothing received yet
+    for i in range(50):  # 1 s of audio, all at t=0
+        clock.on_packet(PACKET, at=0.0)
+    assert clock.played_ms(at=0.1) == 0  # still buffering
+    assert clock.played_ms(at=0.15) == 0
+    assert clock.played_ms(at=0.65) == 500
+    assert clock.played_ms(at=10.0) == 1000  # never past what was received
+    assert clock.underruns == 0
+
+
+def test_clock_stalls_on_underrun_and_resumes_when_audio_comes() -> None:
+    clock = PlaybackClock(RATE, buffer_ms=100)
+    clock.on_packet(PACKET, at=0.0)  # 20 ms of audio; playback starts at 0.1, dry at 0.12
+    assert clock.played_ms(at=0.5) == 20
+    clock.on_packet(PACKET, at=0.5)  # late: an underrun, playback resumes now
+    assert clock.underruns == 1
+    assert clock.played_ms(at=0.51) == 30
+    assert clock.played_ms(at=0.6) == 40
+
+
+def test_packets_in_time_are_no_underrun() -> None:
+    clock = PlaybackClock(RATE, buffer_ms=150)
+    for i in range(100):  # real-time delivery with 30 ms of jitter: the buffer absorbs it
+        clock.on_packet(PACKET, at=i * 0.02 + (0.03 if i % 7 == 3 else 0.0))
+    assert clock.underruns == 0
+    assert clock.played_ms(at=100.0) == 2000
+
+
+def test_slow_delivery_counts_underruns() -> None:
+    clock = PlaybackClock(RATE, buffer_ms=50)
+    for i in range(20):  # 20 ms of audio every 40 ms: the player keeps running dry
+        clock.on_packet(PACKET, at=i * 0.04)
+    assert clock.underruns > 5
+
+
+# -- decoding ----------------------------------------------------------------------------------
+def test_packet_header_is_parsed() -> None:
+    payload = struct.pack("<4h", 1, -1, 2, -2)
+    frame = struct.pack("<BBHII", 1, 1, 7, 42, 20_160) + payload
+    packet = decode_packet(frame, "u1", bytes_per_sample=2, at=3.5)
+    assert (packet.stream, packet.seq, packet.sample_offset, packet.last) == (7, 42, 20_160, True)
+    assert packet.payload == payload and packet.samples == 4 and packet.received_at == 3.5
+    not_last = decode_packet(struct.pack("<BBHII", 1, 0, 7, 43, 0), "u1", 2, 0.0)
+    assert not not_last.last and not_last.samples == 0
+    with pytest.raises(ValueError):
+        decode_packet(b"\x01\x00", "u1", 2, 0.0)
+
+
+def test_server_messages_become_typed_events() -> None:
+    word = {"index": 3, "text": "help", "start_ms": 700, "end_ms": 910, "char_start": 12, "char_end": 16}
+    assert decode_event({"type": "utterance.started", "utterance_id": "u1", "stream": 7}) == Started("u1", 7)
+    words = decode_event({"type": "words", "utterance_id": "u1", "source": "engine", "words": [word]})
+    assert words == Words("u1", "engine", (Word(3, "help", 700, 910, 12, 16),))
+    done = decode_event({"type": "utterance.done", "utterance_id": "u1", "duration_ms": 4000, "packets": 200})
+    assert done == Done("u1", 4000, 200)
+    interrupted = decode_event(
+        {
+            "type": "utterance.interrupted",
+            "utterance_id": "u1",
+            "played_ms": 960,
+            "position_source": "client",
+            "last_word": word,
+            "partial_word": None,
+            "spoken_text": "Sure, I can help",
+            "unspoken_text": " you.",
+        }
+    )
+    assert isinstance(interrupted, Interrupted)
+    assert interrupted.last_word == Word(3, "help", 700, 910, 12, 16) and interrupted.partial_word is None
+    error = decode_event({"type": "error", "code": "overloaded", "message": "busy", "utterance_id": "u2"})
+    assert error == Error("overloaded", "busy", "u2")
+    assert decode_event({"type": "session.ended"}) is None
+
+
+def test_client_does_not_import_torch() -> None:
+    code = "import sys, clients.client, clients.say, clients.loadtest; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- load-test figures -------------------------------------------------------------------------------
+def record(ended: float, ttfa: float, duration: float, audio_s: float, underruns: int = 0) -> RequestRecord:
+    return RequestRecord(0, 100, audio_s, ended, ended + ttfa, ended + duration, underruns)
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([10, 20], 90) == pytest.approx(19)
+    assert percentile([], 50) != percentile([], 50)  # NaN
+
+
+def test_point_figures_follow_the_definitions() -> None:
+    records = [
+        record(ended=0.5, ttfa=0.05, duration=1.0, audio_s=2.0),  # warm-up: not in latency figures
+        record(ended=1.0, ttfa=0.10, duration=1.0, audio_s=2.0),
+        record(ended=2.0, ttfa=0.20, duration=2.0, audio_s=2.0, underruns=1),
+        record(ended=3.0, ttfa=0.30, duration=1.0, audio_s=4.0),
+        RequestRecord(0, 100, 0.0, 4.0, None, None, 0, error="overloaded"),
+    ]
+    point = summarize(8, records, window=(1.0, 5.0))
+    assert point["requests"] == 3 and point["errors"] == 1
+    assert point["ttfa_p50_ms"] == 200.0
+    assert point["rtf_p50"] == 0.5 and point["rtf_p90"] == pytest.approx(0.9)
+    assert point["underrun_streams_pct"] == pytest.approx(33.33, abs=0.01)
+    # completions inside [1, 5]: the warm-up one (at 1.5) and the three measured ones
+    assert point["chars_per_s"] == 100.0 and point["audio_s_per_s"] == 2.5
+    assert point["usd_per_m_chars"] == pytest.approx(usd_per_m_chars(100.0), abs=1e-4)
+    assert usd_per_m_chars(594.0) == pytest.approx(3.04, abs=0.01)  # the Baseten anchor
+
+
+def test_headline_is_largest_passing_concurrency() -> None:
+    def point(c: int, rtf: float, ttfa: float, underrun: float) -> dict[str, object]:
+        return {
+            "concurrency": c,
+            "rtf_p90": rtf,
+            "ttfa_p90_ms": ttfa,
+            "underrun_streams_pct": underrun,
+            "chars_per_s": c * 10.0,
+            "usd_per_m_chars": 1.0 / c,
+        }
+
+    points = [point(1, 0.1, 50, 0), point(8, 0.5, 150, 0.5), point(32, 0.9, 250, 0), point(64, 1.2, 100, 0)]
+    assert headline(points)["concurrency"] == 8
+    assert headline([point(1, 2.0, 50, 0)])["concurrency"] == 0
