@@ -29,7 +29,7 @@ PACKET = 480  # 20 ms
 def test_clock_starts_after_buffer_and_runs_at_real_time() -> None:
     clock = PlaybackClock(RATE, buffer_ms=150)
     assert clock.played_ms(at=5.0) == 0  # nothing received yet
-    for i in range(50):  # 1 s of audio, all at t=0
+    for _ in range(50):  # 1 s of audio, all at t=0
         clock.on_packet(PACKET, at=0.0)
     assert clock.played_ms(at=0.1) == 0  # still buffering
     assert clock.played_ms(at=0.15) == 0
