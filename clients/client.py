@@ -226,6 +226,7 @@ class Session:
         self.sample_rate = 24_000
         self.bytes_per_sample = 2
         self.errors: list[Error] = []  # errors not tied to an utterance
+        self.stray_packets = 0  # packets of streams not (or no longer) announced
 
     async def _start(self, options: Mapping[str, Any]) -> None:
         await self._send({"type": "session.start", **options})
@@ -278,12 +279,16 @@ class Session:
         await self._send(message)
 
     async def report(self, utterance_id: str, played_ms: int) -> None:
-        await self._send({"type": "playback.report", "utterance_id": utterance_id, "played_ms": int(played_ms)})
+        await self._send(
+            {"type": "playback.report", "utterance_id": utterance_id, "played_ms": int(played_ms)}
+        )
 
     async def resume(self, utterance_id: str, from_utterance: str) -> None:
         """Speak what the listener did not hear of an interrupted utterance, as a new one."""
         self._utterance(utterance_id)
-        await self._send({"type": "speak.resume", "utterance_id": utterance_id, "from_utterance": from_utterance})
+        await self._send(
+            {"type": "speak.resume", "utterance_id": utterance_id, "from_utterance": from_utterance}
+        )
 
     # -- receiving -----------------------------------------------------------------------------------
     async def events(self, utterance_id: str) -> AsyncIterator[Event]:
@@ -332,7 +337,8 @@ class Session:
         stream = int.from_bytes(frame[2:4], "little")
         uid = self._streams.get(stream)
         if uid is None:
-            return  # a packet of an utterance nobody listens to any more
+            self.stray_packets += 1  # of an utterance nobody listens to (never after a fence)
+            return
         self._utterances[uid].queue.put_nowait(decode_packet(frame, uid, self.bytes_per_sample, at))
 
     def _on_message(self, raw: dict[str, Any]) -> None:
