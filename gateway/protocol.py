@@ -7,7 +7,7 @@ behind its last packet. `Purge(stream)` drops a stream's queued audio: with the
 `utterance.interrupted` that follows on the control lane it forms the fence.
 
 Life of an utterance: OPEN (text accepted) -> TEXT_CLOSED (speak.end) -> GENERATED (last packet
-made) -> DELIVERED (last packet sent); or INTERRUPTED / FAILED from any active state. Finished
+made) -> DELIVERED (utterance.done sent); or INTERRUPTED / FAILED from any active state. Finished
 utterances stay in a short history so that a late speak.cancel and speak.resume still work.
 """
 
@@ -302,11 +302,16 @@ class SessionProtocol:
         if utt.first_sent_at is None:
             utt.first_sent_at = now
         utt.sent_samples = max(utt.sent_samples, packet.end_sample)
-        if packet.last and utt.status is Status.GENERATED:
-            utt.status = Status.DELIVERED
-            self._retire(utt)
-            return self._maybe_finish_session()
         return []
+
+    def trailer_sent(self, stream: int) -> list[Action]:
+        """utterance.done went out (after the last packet): the utterance is delivered."""
+        utt = self._streams.get(stream)
+        if utt is None or utt.status is not Status.GENERATED:
+            return []
+        utt.status = Status.DELIVERED
+        self._retire(utt)
+        return self._maybe_finish_session()
 
     # -- shutdown -----------------------------------------------------------------------------
     def begin_shutdown(self) -> None:

@@ -192,6 +192,7 @@ class Session:
             entry = self.queue.pop_audio()
             if isinstance(entry.item, str):
                 await self.websocket.send_text(entry.item)
+                self._execute(self.protocol.trailer_sent(entry.stream))
                 continue
             await self.websocket.send_bytes(entry.item.frame)
             self._after_packet_sent(entry.stream, entry.item)

@@ -113,6 +113,8 @@ class Harness:
             if isinstance(item, Packet):
                 self.run(self.p.packet_sent(stream, item, self.now))
                 self.now += seconds_per_packet
+            else:
+                self.run(self.p.trailer_sent(stream))
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [m for m in self.control if m["type"] == kind]
@@ -313,6 +315,8 @@ def test_packets_and_done() -> None:
     assert packets[-1].last and not any(p.last for p in packets[:-1])
     trailer = h.audio[-1][1]
     assert trailer == {"type": "utterance.done", "utterance_id": "u1", "duration_ms": 90, "packets": 5}
+    assert h.p.utterance("u1").status is Status.GENERATED  # type: ignore[union-attr]
+    h.deliver(len(h.audio) - 1)
     assert h.p.utterance("u1").status is Status.GENERATED  # type: ignore[union-attr]
     h.deliver()
     assert h.p.utterance("u1").status is Status.DELIVERED  # type: ignore[union-attr]
@@ -574,8 +578,10 @@ def test_session_end_drains_then_ends() -> None:
     assert "u1" in h.text_closed and h.closes == []
     h.speak_words("u1", ["a", "b"])
     assert h.closes == []
+    h.deliver(len(h.audio) - 1)
+    assert h.closes == []
     h.deliver()
-    assert h.control[-1] == {"type": "session.ended"}
+    assert h.wire[-2]["type"] == "utterance.done" and h.wire[-1] == {"type": "session.ended"}
     assert h.closes == [Close(1000, "session ended")]
 
 
