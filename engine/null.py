@@ -130,7 +130,7 @@ class NullStream:
         while not self.done and self._sent < limit:
             if not self._clock.running:
                 self._clock.running, self._clock.next_due = True, now
-            if self._clock.next_due > now:
+            if self._clock.next_due > now + TICK_S / 2:  # a tick may wake a hair early
                 return
             count = min(CHUNK_SAMPLES, limit - self._sent)
             self._emit(_TONE[:count], limit)
@@ -139,7 +139,7 @@ class NullStream:
             self._channel.put(AudioChunk(self.request_id, _TONE[:0], self._sent, final=True))
             self.done = True
             self._engine._streams.discard(self)
-        elif self._clock.running and self._clock.next_due <= now:
+        elif self._clock.running and self._clock.next_due <= now + TICK_S / 2:
             self._clock.running = False  # starved: restart in real time when text comes
 
     def _emit(self, samples: npt.NDArray[np.float32], limit: int) -> None:

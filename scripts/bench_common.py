@@ -1,0 +1,87 @@
+"""Shared by the bench scripts: the real gateway in its own process, and the run record."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(engine_name: str, port: int, engine_options: dict[str, Any]) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.server import serve
+
+    if engine_name == "null":
+        from engine.null import NullEngine
+
+        engine: Any = NullEngine(**engine_options)
+    else:
+        from engine.espeak import EspeakEngine
+
+        engine = EspeakEngine(**engine_options)
+    serve(engine, "127.0.0.1", port, GatewayConfig(), log_level="warning")
+
+
+@contextmanager
+def gateway_process(engine_name: str, **engine_options: Any) -> Iterator[str]:
+    """Run the real gateway (uvicorn + the named engine) in a child process; yield its stream URL."""
+    port = free_port()
+    process = mp.get_context("spawn").Process(target=_serve, args=(engine_name, port, engine_options), daemon=True)
+    process.start()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or not process.is_alive():
+            process.terminate()
+            raise RuntimeError("the gateway did not become ready")
+        time.sleep(0.1)
+    try:
+        yield f"ws://127.0.0.1:{port}/v1/stream"
+    finally:
+        process.terminate()
+        process.join(timeout=10)
+
+
+def run_record(argv: list[str] | None) -> dict[str, Any]:
+    args = sys.argv[1:] if argv is None else argv
+    module = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else "bench"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        "commit": commit,
+        "python": platform.python_version(),
+        "command": shlex.join(["python", "-m", f"scripts.{module}", *args]),
+    }
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}")
