@@ -377,6 +377,8 @@ def _output_request(f: _Fields) -> OutputRequest:
     for name, value, options in (("sample_rate", rate, SAMPLE_RATES), ("packet_ms", packet, PACKET_MS)):
         if value is not None and (isinstance(value, bool) or value not in options):
             raise f.fail(f"output.{name} must be one of {options}", "unsupported_output")
+    if encoding in TELEPHONY_ENCODINGS and rate is not None and rate != 8000:
+        raise f.fail(f"{encoding} is 8000 Hz only", "unsupported_output")
     return OutputRequest(encoding, rate, packet)
 
 
@@ -428,6 +430,8 @@ def decode(frame: str | bytes) -> ClientMessage:
             frame = bytes(frame).decode("utf-8")
         except UnicodeDecodeError:
             raise ProtocolError("invalid_message", "the frame is not valid UTF-8") from None
+    elif not _is_valid_unicode(frame):
+        raise ProtocolError("invalid_message", "the frame is not valid UTF-8")
     try:
         raw = json.loads(frame)
     except (ValueError, RecursionError):

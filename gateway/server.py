@@ -7,10 +7,31 @@ import socket
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from engine.api import Engine
 from gateway.app import Gateway, create_app
 from gateway.config import GatewayConfig
+
+
+class LenientTextProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol, except that a text frame which is not valid UTF-8 reaches the
+    app (its bad bytes as surrogate escapes) instead of closing the socket with 1007: the session
+    answers it with an `invalid_message` error and goes on, like any other bad message."""
+
+    def send_receive_event_to_app(self) -> None:
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            data = b"".join(self.frames)
+            try:
+                data.decode()
+            except UnicodeDecodeError:
+                self.frames = []
+                self.queue.put_nowait({"type": "websocket.receive", "text": data.decode("utf-8", "surrogateescape")})
+                if not self.read_paused:
+                    self.read_paused = True
+                    self.transport.pause_reading()
+                return
+        super().send_receive_event_to_app()
 
 
 class GatewayServer(uvicorn.Server):
@@ -37,6 +58,7 @@ def build_server(
         app,
         host=host,
         port=port,
+        ws=LenientTextProtocol,
         ws_max_size=config.max_message_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
