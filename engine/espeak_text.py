@@ -18,11 +18,27 @@ from dataclasses import dataclass
 _SENTENCE_END = re.compile(r"[.!?;…]+[\"'”’)\]]*\s+|[。！？；]+[”’」』)）]*\s*")
 
 
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof st jr sr vs etc e.g i.e no fig approx dept inc ltd co corp mt ft".split()
+)
+
+
+def _is_abbreviation(text: str, dot: int) -> bool:
+    """Is the "." at `dot` the end of an abbreviation or an initial ("Mr.", "e.g.", "J.")?"""
+    if text[dot] != ".":
+        return False
+    word = text[:dot].rsplit(None, 1)[-1] if text[:dot].strip() else ""
+    word = word.lstrip("\"'“‘([").lower()
+    return word in _ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+
+
 def split_sentences(text: str) -> list[tuple[int, int]]:
     """[start, end) spans covering `text`, cut after sentence-final punctuation."""
     spans: list[tuple[int, int]] = []
     start = 0
     for match in _SENTENCE_END.finditer(text):
+        if _is_abbreviation(text, match.start()):
+            continue
         if match.end() > start:
             spans.append((start, match.end()))
             start = match.end()

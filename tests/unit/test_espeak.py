@@ -59,6 +59,14 @@ def test_sentences_cover_text_and_cut_after_punctuation() -> None:
     assert spans[0][0] == 0 and spans[-1][1] == len(text)
 
 
+def test_sentences_do_not_end_at_abbreviations_or_initials() -> None:
+    text = "Mr. Smith met Dr. J. Doe, e.g. at noon. Done."
+    assert [text[a:b] for a, b in split_sentences(text)] == [
+        "Mr. Smith met Dr. J. Doe, e.g. at noon. ",
+        "Done.",
+    ]
+
+
 def test_word_spans_strip_punctuation_and_cut_cjk_runs() -> None:
     text = "“Quoted,” she said—twice. 你好，世界。"
     assert [text[a:b] for a, b in word_spans(text)] == ["Quoted", "she", "said", "twice", "你好", "世界"]
