@@ -60,3 +60,59 @@ def test_reference_chunked_decode_has_seams_we_do_not(reference_tokenizer: Any, 
     torch.testing.assert_close(chunked[:cut], exact[0, :cut], atol=1e-4, rtol=0)
     assert (chunked[cut:] - exact[0, cut:]).abs().max() > 1e-3
     torch.testing.assert_close(wav, exact, atol=1e-4, rtol=0)
+
+
+# ---- a complete tiny checkpoint directory in the upstream layout ------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests.reference_builders import build_reference_tts, load_reference
+
+    path = build_reference_tts("base", tmp_path_factory.mktemp("base"))
+    return path, load_reference(path)
+
+
+def test_loaded_speech_tokenizer_matches_reference(checkpoint: Any) -> None:
+    from engine.models.speech_tokenizer import load_speech_tokenizer
+    from tests.codec.test_speaker import voice_like
+
+    path, ref = checkpoint
+    ours = load_speech_tokenizer(path / "speech_tokenizer")
+    assert (ours.sample_rate, ours.samples_per_frame) == (24000, 1920)
+    wav = voice_like(2.3, 150.0, seed=4)
+    expected = ref.model.speech_tokenizer.encode(wav, sr=24000).audio_codes[0]
+    codes = ours.encode(wav)
+    assert codes.dtype == torch.long and codes.shape == (-(-wav.size // 1920), 16)
+    assert torch.equal(codes, expected)
+    wavs, sr = ref.model.speech_tokenizer.decode([{"audio_codes": codes}])
+    decoded = ours.decoder.decode(codes[None])[0]
+    assert sr == 24000
+    torch.testing.assert_close(decoded, torch.from_numpy(wavs[0]), atol=1e-4, rtol=0)
+
+
+def test_speaker_encoder_from_checkpoint_matches_reference(checkpoint: Any) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    from engine.models.speaker import SpeakerEncoder
+    from tests.codec.test_speaker import voice_like
+
+    path, ref = checkpoint
+    cfg = json.loads((path / "config.json").read_text())["speaker_encoder_config"]
+    weights = load_file(str(path / "model.safetensors"))
+    enc = SpeakerEncoder(cfg).eval()
+    prefix = "speaker_encoder."
+    enc.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=True)
+    wav = voice_like(1.6, 120.0, seed=5)
+    expected = ref.model.extract_speaker_embedding(wav, 24000)
+    torch.testing.assert_close(enc.embed(wav), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_missing_files_are_named(tmp_path: Any) -> None:
+    from engine.models.speech_tokenizer import load_speech_tokenizer
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors, preprocessor_config.json"):
+        load_speech_tokenizer(tmp_path)
