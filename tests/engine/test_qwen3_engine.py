@@ -76,7 +76,7 @@ def open_greedy(engine, rid: str, text: str, frames: int):
 
 async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
     engine = make_engine(bundle)
-    stream, state = open_greedy(engine, "a", "Hello world. How are you?", 9)
+    stream, state = open_greedy(engine, "a", "Hello world. How are you?", 5)
     drive(engine)
     chunks = await collect(stream)
     assert chunks[-1].final and len(chunks) >= 3
@@ -84,7 +84,7 @@ async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
     for c in chunks:
         assert c.sample_offset == offset
         offset += len(c.samples)
-    assert offset == state.frames_generated * 1920 and state.frames_generated == 9
+    assert offset == state.frames_generated * 1920 and state.frames_generated == 5
     assert chunks[0].samples.size == 1920  # first chunk: one frame
     words = [w for c in chunks for w in c.words]
     assert [w.text for w in words] == ["Hello", "world.", "How", "are", "you?"]
@@ -96,8 +96,8 @@ async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
 async def test_batched_greedy_output_equals_offline_generation_and_streamed_audio_equals_offline_decode(bundle):
     _, codec = bundle
     engine = make_engine(bundle)
-    texts = {"a": ("Hello world.", 7), "b": ("The quick brown fox jumps over the lazy dog.", 11),
-             "c": ("Good morning", 5)}
+    texts = {"a": ("Hello world.", 4), "b": ("The quick brown fox jumps over the lazy dog.", 6),
+             "c": ("Good morning", 3)}
     opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
     drive(engine)
     for rid, (text, n) in texts.items():
@@ -115,14 +115,14 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle):
     _, codec = bundle
     engine = make_engine(bundle)
     stream = engine.open(SynthesisRequest(request_id="m", voice="ryan", language="English", greedy=True,
-                                          max_frames=4))
+                                          max_frames=3))
     state = engine.scheduler.requests["m"]
     stream.push(TextSegment("Hello world.", char_start=0))
     stream.push(TextSegment("Good morning", char_start=13))
     stream.close_text()
     drive(engine)
     chunks = await collect(stream)
-    assert [s.first_frame for s in state.done_segments] == [0, 4]
+    assert [s.first_frame for s in state.done_segments] == [0, 3]
     audio = np.concatenate([c.samples for c in chunks])
     with torch.no_grad():
         offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
@@ -134,8 +134,8 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle):
 async def test_cancel_frees_the_slot_at_the_next_step(bundle):
     engine = make_engine(bundle, kv_slots=1, max_streams=2)
     stream_a, a = open_greedy(engine, "a", "Hello world.", 50)
-    stream_b, b = open_greedy(engine, "b", "Good morning", 3)
-    for _ in range(3):
+    stream_b, b = open_greedy(engine, "b", "Good morning", 2)
+    for _ in range(2):
         engine.core._emit(engine.core.step())
     assert a.kv_slot == 0 and b.kv_slot is None
     stream_a.cancel()
