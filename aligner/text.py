@@ -120,15 +120,15 @@ def split_korean_word(word: str, scores: Mapping[str, float]) -> tuple[str, str]
     """Split one space-separated word into its best-scoring left part and the rest.
 
     Candidates are every left part of at least two characters; the highest score wins and among
-    equal scores the shortest left part (longest remainder) does. Words of up to two characters stay
-    whole.
+    equal scores the longest left part does, so a word with no dictionary prefix stays whole.
+    Words of up to two characters stay whole.
     """
     if len(word) <= 2:
         return word, ""
     best_end, best_score = 2, scores.get(word[:2], 0.0)
     for end in range(3, len(word) + 1):
         score = scores.get(word[:end], 0.0)
-        if score > best_score:
+        if score >= best_score:
             best_end, best_score = end, score
     return word[:best_end], word[best_end:]
 
@@ -137,7 +137,7 @@ def split_korean(text: str, scores: Mapping[str, float] | None) -> list[str]:
     """L/R parts of each space-separated word (cleaned). Without a dictionary, whole words."""
     units: list[str] = []
     for word in text.split():
-        parts = split_korean_word(word, scores) if scores is not None else (word, "")
+        parts = split_korean_word(word, scores or {})
         units.extend(unit for unit in (clean(part) for part in parts) if unit)
     return units
 
@@ -152,6 +152,11 @@ def _fold(ch: str) -> str:
     full-width); folding both sides makes the unit characters comparable with the source text.
     """
     return "".join(c for c in unicodedata.normalize("NFKD", ch) if is_kept_char(c))
+
+
+def _is_mark(ch: str) -> bool:
+    """Combining marks, and letters that fold to one (the half-width kana voicing marks)."""
+    return unicodedata.category(ch)[0] == "M" or (is_kept_char(ch) and not _fold(ch))
 
 
 def _folded_stream(text: str) -> tuple[str, list[int]]:
@@ -186,8 +191,8 @@ def locate_units(text: str, units: Iterable[str]) -> list[Unit]:
             continue
         last = found + len(folded) - 1
         end = owners[last] + 1
-        while end < len(text) and unicodedata.category(text[end])[0] == "M":
-            end += 1  # combining marks belong to the character they follow
+        while end < len(text) and _is_mark(text[end]):
+            end += 1  # marks belong to the character they follow
         located.append(Unit(unit, owners[found], end))
         cursor = last + 1
     return located
