@@ -1,7 +1,8 @@
 """eSpeak NG as a Cadence engine: zero-download, multilingual, ~1000x real time, native word times.
 
-One worker thread owns the (process-global) eSpeak library and serves every stream round-robin,
-one sentence per turn, interactive requests first; the event loop never blocks on it. A sentence's
+One worker thread owns the (process-global) eSpeak library and serves every stream round-robin
+one sentence per turn, interactive requests first and a new request's first sentence before
+the next sentences of running ones; the event loop never blocks on it. A sentence's
 PCM is streamed as eSpeak produces it (~50 ms chunks), resampled 22 050 -> 24 000 Hz, and handed
 to the event loop through a ChunkChannel. WORD events become WordTimings on the 24 kHz utterance
 timeline, with character offsets into the client's text; audio is held back only up to the start
@@ -197,7 +198,11 @@ class EspeakEngine:
     def _schedule(self, stream: EspeakStream) -> None:
         if stream in self._active and not stream.scheduled and stream.has_work():
             stream.scheduled = True
-            self._ready[stream.request.priority].append(stream)
+            queue = self._ready[stream.request.priority]
+            if stream.samples_out == 0:
+                queue.appendleft(stream)  # first audio first: a new request waits one sentence at most
+            else:
+                queue.append(stream)
             self._cond.notify()
 
     def _retire(self, stream: EspeakStream) -> None:

@@ -20,7 +20,7 @@ from engine.api import (
     UnknownVoice,
     WordTiming,
 )
-from engine.espeak import SAMPLES_PER_FRAME, EspeakEngine, pause_after
+from engine.espeak import SAMPLES_PER_FRAME, EspeakEngine, EspeakStream, pause_after
 from engine.espeak_lib import library
 from engine.espeak_text import WordTracker, script_language, split_sentences, word_spans
 
@@ -259,3 +259,32 @@ async def test_voices_and_speed_change_audio(engine: EspeakEngine) -> None:
     female, words, _ = await speak(engine, [TextSegment(EN, 0)], voice="female")
     assert len(fast) < 0.7 * len(normal)
     assert words and len(female) > 0
+
+
+async def test_a_new_request_goes_before_the_next_sentences_of_running_ones() -> None:
+    engine = EspeakEngine(max_streams=16)
+    await engine.start()
+    served: list[str] = []
+    speak_one = engine._speak
+
+    def logged(stream: EspeakStream, *piece: object) -> None:
+        served.append(stream.request_id)
+        speak_one(stream, *piece)  # type: ignore[arg-type]
+
+    engine._speak = logged  # type: ignore[method-assign]
+    paragraph = " ".join(f"This is sentence number {i} of a long paragraph." for i in range(20))
+    running = [engine.open(SynthesisRequest(f"long{i}")) for i in range(10)]
+    for stream in running:
+        stream.push(TextSegment(paragraph, 0))
+        stream.close_text()
+    drains = [asyncio.ensure_future(collect(stream)) for stream in running]
+    while len(served) < 20:  # every long one has started
+        await asyncio.sleep(0.001)
+    new = engine.open(SynthesisRequest("new"))
+    opened_at = len(served)
+    new.push(TextSegment("Hello.", 0))
+    new.close_text()
+    await collect(new)
+    await asyncio.gather(*drains)
+    await engine.stop()
+    assert served.index("new") - opened_at <= 2  # not behind the 10 running streams' next sentences
