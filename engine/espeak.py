@@ -1,13 +1,14 @@
-"""eSpeak NG as a Cadence engine: zero-download, multilingual, ~1000x real time, native word times.
+"""eSpeak NG as a Cadence engine: zero-download, multilingual, far faster than real time, native
+word times.
 
-One worker thread owns the (process-global) eSpeak library and serves every stream round-robin
+One worker thread owns the (process-global) eSpeak library and serves every stream round-robin,
 one sentence per turn, interactive requests first and a new request's first sentence before
 the next sentences of running ones; the event loop never blocks on it. A sentence's
-PCM is streamed as eSpeak produces it (~50 ms chunks), resampled 22 050 -> 24 000 Hz, and handed
+PCM is streamed as eSpeak produces it (~100 ms chunks), resampled 22 050 -> 24 000 Hz, and handed
 to the event loop through a ChunkChannel. WORD events become WordTimings on the 24 kHz utterance
 timeline, with character offsets into the client's text; audio is held back only up to the start
 of the word still open, so words always arrive before or with their audio. A cancel aborts the
-sentence in progress at its next ~50 ms chunk.
+sentence in progress at its next ~100 ms chunk.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -265,10 +266,13 @@ async def test_a_new_request_goes_before_the_next_sentences_of_running_ones() ->
     engine = EspeakEngine(max_streams=16)
     await engine.start()
     served: list[str] = []
+    all_started = threading.Event()
     speak_one = engine._speak
 
     def logged(stream: EspeakStream, *piece: object) -> None:
         served.append(stream.request_id)
+        if len(served) >= 20:  # every long one has had two sentences
+            all_started.set()
         speak_one(stream, *piece)  # type: ignore[arg-type]
 
     engine._speak = logged  # type: ignore[method-assign]
@@ -278,8 +282,7 @@ async def test_a_new_request_goes_before_the_next_sentences_of_running_ones() ->
         stream.push(TextSegment(paragraph, 0))
         stream.close_text()
     drains = [asyncio.ensure_future(collect(stream)) for stream in running]
-    while len(served) < 20:  # every long one has started
-        await asyncio.sleep(0.001)
+    await asyncio.to_thread(all_started.wait, 10)
     new = engine.open(SynthesisRequest("new"))
     opened_at = len(served)
     new.push(TextSegment("Hello.", 0))
