@@ -85,6 +85,7 @@ class SessionStart:
     output: OutputRequest = OutputRequest()
     timestamps: Timestamps = "word"
     pacing: Pacing = "asap"
+    webhook_url: str | None = None  # each utterance.interrupted is also POSTed here (signed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +391,18 @@ def _session_start(f: _Fields) -> SessionStart:
         output=_output_request(f),
         timestamps="word" if f.choice("timestamps", ("word", "none"), "word") == "word" else "none",
         pacing="realtime" if f.choice("pacing", ("asap", "realtime"), "asap") == "realtime" else "asap",
+        webhook_url=_webhook_url(f),
     )
+
+
+MAX_URL_CHARS: Final = 2048
+
+
+def _webhook_url(f: _Fields) -> str | None:
+    url = f.text("webhook_url", max_chars=MAX_URL_CHARS)
+    if url is not None and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
+        raise f.fail("`webhook_url` must be an http:// or https:// URL")
+    return url
 
 
 def _speak_append(f: _Fields) -> SpeakAppend:

@@ -166,6 +166,7 @@ class SessionProtocol:
         self.instructions: str | None = None
         self.timestamps: Timestamps = "word"
         self.pacing: Pacing = "asap"
+        self.webhook_url: str | None = None  # session.start: where interruptions are POSTed
         self.started = False
         self.ending = False  # session.end received
         self.shutting_down = False
@@ -348,6 +349,7 @@ class SessionProtocol:
         self.instructions = message.instructions
         self.timestamps = message.timestamps
         self.pacing = message.pacing
+        self.webhook_url = message.webhook_url
         return self._ensure_started()
 
     def _ensure_started(self) -> list[Action]:
