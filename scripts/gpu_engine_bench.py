@@ -1,0 +1,224 @@
+"""Engine-only figures at the real Qwen3-TTS-1.7B shapes, random weights, forced lengths.
+
+    python scripts/gpu_engine_bench.py                      # H200: ~5-8 minutes incl. graph capture
+    python scripts/gpu_engine_bench.py --tiny --device cpu  # smoke test of the script itself
+
+For each batch size: B requests start together (prompt --prompt positions, --frames frames each,
+EOS masked until then) and run through scheduler -> runner -> update exactly as in serving.
+Reported: steps/s and frames/s in steady decode, time to first audio, then one step's breakdown
+(talker decode graph / sampling + predictor graph / codec graph replayed alone), a torch.profiler
+table, peak memory and KV bytes per stream. A compact table closes the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.api import ChunkSchedule, TextSegment  # noqa: E402
+from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
+from engine.models.codec import Code2Wav  # noqa: E402
+from engine.models.config import parse_config  # noqa: E402
+from engine.models.talker import Talker  # noqa: E402
+from engine.prompts import PromptEmbeds, PromptTokens  # noqa: E402
+from engine.request import Request, Segment  # noqa: E402
+from engine.runner import RowSampling, Runner, RunnerConfig, SegmentPrompt  # noqa: E402
+from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+
+def model_config(tiny: bool) -> tuple[dict, dict]:
+    if tiny:
+        dec = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+        cp = dict(dec, hidden_size=32)
+        mrope = [4, 2, 2]
+        codec = dict(codebook_dim=16, latent_dim=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, head_dim=16, decoder_dim=64)
+    else:  # Qwen3-TTS-12Hz-1.7B
+        dec = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128)
+        cp = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
+        mrope = [24, 20, 20]
+        codec = dict(codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
+                     decoder_dim=1536)
+    common = dict(rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
+    talker = dict(
+        dec, **common, vocab_size=3072, text_vocab_size=151936 if not tiny else 512,
+        text_hidden_size=dec["hidden_size"], num_code_groups=16, codec_pad_id=2148, codec_bos_id=2149,
+        codec_eos_token_id=2150, codec_think_id=2154, codec_nothink_id=2155, codec_think_bos_id=2156,
+        codec_think_eos_id=2157, codec_language_id={"english": 2050}, spk_id={"ryan": 3061},
+        spk_is_dialect={"ryan": False},
+        rope_scaling=dict(mrope_section=mrope, interleaved=True, rope_type="default"),
+        code_predictor_config=dict(cp, **common, vocab_size=2048, num_code_groups=16),
+    )
+    return dict(model_type="qwen3_tts", tts_model_type="custom_voice", tts_model_size="1b7",
+                talker_config=talker), codec
+
+
+@torch.no_grad()
+def build(args: argparse.Namespace, max_batch: int) -> tuple[Runner, object]:
+    raw, codec_cfg = model_config(args.tiny)
+    cfg = parse_config(raw)
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        talker = Talker(cfg.talker).to(dtype).eval()
+        codec = Code2Wav(codec_cfg).to(getattr(torch, args.codec_dtype)).eval()
+        for name, p in codec.named_parameters():
+            if name.endswith("embedding_sum"):
+                p.normal_()
+    talker.reset_rope(dev)
+    codec.quantizer.refresh()
+    runner = Runner(talker, codec, cfg, RunnerConfig(
+        num_slots=max_batch, max_len=args.max_len, codec_slots=max_batch, max_batch=max_batch,
+        kv_buckets=tuple(args.kv_buckets), max_codec_batch=min(max_batch, args.max_codec_batch),
+        enforce_eager=args.eager,
+    ))
+    return runner, cfg
+
+
+def fake_prompt(runner: Runner, prompt_len: int, hidden: int) -> SegmentPrompt:
+    dev, dt = runner.device, runner.dtype
+    embeds = PromptEmbeds(prefill=torch.randn(prompt_len, hidden, device=dev, dtype=dt) * 0.1,
+                          trailing=torch.randn(8, hidden, device=dev, dtype=dt) * 0.1,
+                          tts_pad=torch.zeros(hidden, device=dev, dtype=dt))
+    tokens = PromptTokens(text_ids=[], instruct_ids=None, ref_ids=None, language_id=None, speaker_id=None)
+    return SegmentPrompt(tokens=tokens, embeds=embeds)
+
+
+def sync(runner: Runner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def run_batch(runner: Runner, cfg, args: argparse.Namespace, b: int) -> dict:
+    layout = KVCacheLayout(runner.config.num_slots, args.max_len, runner.kv_bytes_per_token)
+    sched = Scheduler(SchedulerConfig(max_batch=runner.config.max_batch, codec_slots=runner.config.codec_slots,
+                                      max_tokens_per_step=max(512, b + args.prompt),
+                                      max_codec_rows=runner.config.max_codec_batch,
+                                      queue_limit=0), KVCacheManager(layout))
+    hidden = cfg.talker.hidden_size
+    t0 = time.perf_counter()
+    for i in range(b):
+        r = Request(request_id=f"r{i}", arrival_time=sched.clock(), schedule=ChunkSchedule(first=1),
+                    sampling=RowSampling(seed=i, min_new_tokens=args.frames, end_at=args.frames))
+        r.segments.append(Segment(TextSegment("x", 0), prompt_len=args.prompt, max_frames=args.frames,
+                                  payload=fake_prompt(runner, args.prompt, hidden)))
+        r.text_closed = True
+        sched.add_request(r)
+    reqs = list(sched.requests.values())
+    step_times, decode_steps = [], []
+    while sched.has_work():
+        s0 = time.perf_counter()
+        plan = sched.schedule()
+        out = runner.execute(plan)
+        sched.update(plan, out)
+        dt = time.perf_counter() - s0
+        step_times.append(dt)
+        if len(plan.decode) == b and not plan.prefill:
+            decode_steps.append(dt)
+    total = time.perf_counter() - t0
+    ttfa = [r.ttfa for r in reqs if r.ttfa is not None]
+    med = statistics.median(decode_steps) if decode_steps else float("nan")
+    return dict(
+        batch=b, steps=len(step_times), wall_s=total, step_ms=1000 * med, steps_per_s=1 / med,
+        frames_per_s=b / med, streams_rt=b / med / 12.5, ttfa_ms_p50=1000 * statistics.median(ttfa),
+        frames=sum(r.frames_generated for r in reqs),
+    )
+
+
+def time_replay(runner: Runner, key: tuple, iters: int = 20) -> float:
+    graph = runner.graphs.graphs.get(key)
+    if graph is None or runner.device.type != "cuda":
+        return float("nan")
+    runner._reset_static_inputs()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def breakdown(runner: Runner, b: int) -> dict:
+    from engine.cuda_graphs import bucket_for
+
+    bb = bucket_for(b, runner.batches) or b
+    k = runner.kv_buckets[-1]
+    cb = bucket_for(min(b, runner.config.max_codec_batch), runner.codec_batches)
+    return dict(
+        talker_ms=time_replay(runner, ("decode", bb, k)),
+        predictor_ms=time_replay(runner, ("sample", bb)),
+        codec_ms_4f=time_replay(runner, ("codec", cb, 4)),
+    )
+
+
+def profile(runner: Runner, cfg, args: argparse.Namespace, b: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    small = argparse.Namespace(**{**vars(args), "frames": 12})
+    with torch_profile(activities=acts) as prof:
+        run_batch(runner, cfg, small, b)
+    sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--frames", type=int, default=60)
+    ap.add_argument("--prompt", type=int, default=40)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--kv-buckets", type=int, nargs="*", default=[128, 256])
+    ap.add_argument("--max-codec-batch", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--codec-dtype", default="float32")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--profile-batch", type=int, default=64)
+    args = ap.parse_args()
+    if args.device == "cpu" and args.dtype == "bfloat16":
+        args.dtype = "float32"
+    max_batch = max(args.batches)
+    t = time.perf_counter()
+    runner, cfg = build(args, max_batch)
+    print(f"built in {time.perf_counter() - t:.1f} s")
+    t = time.perf_counter()
+    n = runner.capture()
+    print(f"captured {n} graphs in {time.perf_counter() - t:.1f} s")
+    rows = []
+    for b in args.batches:
+        run_batch(runner, cfg, argparse.Namespace(**{**vars(args), "frames": 4}), b)  # warm-up
+        row = run_batch(runner, cfg, args, b) | breakdown(runner, b)
+        rows.append(row)
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    if args.profile_batch in args.batches:
+        profile(runner, cfg, args, args.profile_batch)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if runner.device.type == "cuda" else float("nan")
+    print(f"\npeak memory {peak:.2f} GiB; KV bytes per stream {runner.kv_bytes_per_stream / 2**20:.1f} MiB "
+          f"({runner.kv_bytes_per_token} B/token, max_len {args.max_len}); "
+          f"codec state per stream {runner.codec.state_bytes_per_slot() / 2**20:.2f} MiB")
+    print(f"\n{'B':>4} {'step ms':>8} {'steps/s':>8} {'frames/s':>9} {'RT streams':>10} {'TTFA p50':>9} "
+          f"{'talker':>7} {'pred':>7} {'codec4f':>7}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['step_ms']:>8.2f} {r['steps_per_s']:>8.1f} {r['frames_per_s']:>9.0f} "
+              f"{r['streams_rt']:>10.0f} {r['ttfa_ms_p50']:>9.1f} {r['talker_ms']:>7.2f} "
+              f"{r['predictor_ms']:>7.2f} {r['codec_ms_4f']:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
