@@ -20,6 +20,7 @@ from gateway.errors import CLOSE_GOING_AWAY
 from gateway.metrics import GatewayMetrics
 from gateway.rest import make_speech_endpoint
 from gateway.session import Session
+from gateway.webhooks import WebhookSender, WebhookSession
 
 log = logging.getLogger("cadence.app")
 
@@ -36,6 +37,7 @@ class Gateway:
         self.sessions: set[Session] = set()
         self.ready = False
         self.closing = False
+        self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
 
     async def close_sessions(self) -> None:
         """Shutdown: refuse new sessions, drain the open ones (bounded), close them with 1001."""
@@ -51,7 +53,7 @@ class Gateway:
         if self.closing:
             await websocket.close(CLOSE_GOING_AWAY, "server shutting down")
             return
-        session = Session(websocket, self.engine, self.config, self.metrics)
+        session = WebhookSession(websocket, self.engine, self.config, self.metrics, webhooks=self.webhooks)
         self.sessions.add(session)
         try:
             await session.run()
@@ -93,6 +95,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None) -> Starlette
             gateway.ready = False
             await gateway.close_sessions()
             await engine.stop()
+            await gateway.webhooks.close()
 
     routes = [
         WebSocketRoute("/v1/stream", gateway.stream),
