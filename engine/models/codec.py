@@ -130,7 +130,7 @@ class SnakeBeta(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         alpha = self.alpha.exp()[None, :, None]
         inv_beta = 1.0 / (self.beta.exp()[None, :, None] + 1e-9)
-        return x + inv_beta * torch.sin(x * alpha).pow(2)
+        return torch.addcmul(x, inv_beta, torch.sin(x * alpha).square())
 
 
 class ConvNeXtBlock(nn.Module):

@@ -70,6 +70,16 @@ def _split(weights: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
+def _load(module: nn.Module, weights: dict[str, Tensor], prefix: str, root: Path) -> None:
+    """Every tensor the module needs must be there; extra ones (buffers a checkpoint may carry,
+    parts of the model we do not build) are ignored, as upstream's loader does."""
+    result = module.load_state_dict(_split(weights, prefix), strict=False)
+    if result.missing_keys:
+        shown = ", ".join(prefix + k for k in result.missing_keys[:8])
+        more = len(result.missing_keys) - 8
+        raise ValueError(f"{root / 'model.safetensors'} lacks {shown}" + (f" and {more} more" if more > 0 else ""))
+
+
 def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
                           dtype: torch.dtype = torch.float32, with_encoder: bool = True) -> SpeechTokenizer:
     """Load `speech_tokenizer/`; the decoder runs in `dtype`, the encoder in fp32 (cold path, exact codes)."""
@@ -87,13 +97,13 @@ def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
     decoder = Code2Wav(cfg["decoder_config"])
     if decoder.samples_per_frame != int(cfg.get("decode_upsample_rate", decoder.samples_per_frame)):
         raise ValueError(f"{root}: decoder rates do not multiply to decode_upsample_rate")
-    decoder.load_state_dict(_split(weights, "decoder."), strict=True)
+    _load(decoder, weights, "decoder.", root)
     decoder.to(device=device, dtype=dtype).eval()
 
     encoder = None
     if with_encoder:
         mimi = build_mimi_encoder(cfg.get("encoder_config") or {})
-        mimi.load_state_dict(_split(weights, "encoder."), strict=True)
+        _load(mimi, weights, "encoder.", root)
         mimi.to(device=device, dtype=torch.float32).eval()
         frames = int(cfg.get("encode_downsample_rate", decoder.samples_per_frame))
         encoder = SpeechTokenizerEncoder(mimi, int(cfg.get("encoder_valid_num_quantizers", 16)), frames)

@@ -116,3 +116,23 @@ def test_missing_files_are_named(tmp_path: Any) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="model.safetensors, preprocessor_config.json"):
         load_speech_tokenizer(tmp_path)
+
+
+def test_missing_tensors_are_named_and_extra_ones_ignored(checkpoint: Any, tmp_path: Any) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.speech_tokenizer import load_speech_tokenizer
+
+    path, _ = checkpoint
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(path / "speech_tokenizer" / name, tmp_path / name)
+    weights = load_file(str(path / "speech_tokenizer" / "model.safetensors"))
+    weights["decoder.pre_transformer.rotary_emb.inv_freq"] = torch.ones(8)  # harmless extra
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert load_speech_tokenizer(tmp_path).decoder.samples_per_frame == 1920
+    del weights["decoder.pre_conv.conv.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks decoder.pre_conv.conv.weight"):
+        load_speech_tokenizer(tmp_path)

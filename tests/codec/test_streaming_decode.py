@@ -65,7 +65,7 @@ def test_streamed_equals_offline(codec: Any, codes: torch.Tensor, offline: torch
 def test_many_slots_interleaved_with_different_schedules(codec: Any, codes: torch.Tensor,
                                                          offline: torch.Tensor) -> None:
     """Each round, rows that want the same chunk size are decoded together in one batch."""
-    schedules = {5: [1, 2, 4, 8, 25], 0: [25], 3: [2, 3], 6: [8, 1]}  # slot -> schedule
+    schedules = {5: [1, 2, 4, 8, 25], 0: [25], 3: [2, 3, 5], 6: [8, 1, 16]}  # slot -> schedule
     rows = dict(zip(schedules, range(4), strict=True))  # slot -> row of `codes`
     codec.init_streams(8)
     codec.reset(torch.tensor(list(schedules)))
