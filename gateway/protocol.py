@@ -23,6 +23,7 @@ from engine.api import AudioChunk, EngineInfo, SynthesisRequest, TextSegment
 from gateway.bargein import Cut, Report, Word, cut_at, played_position, resume_offset
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_TOO_BIG, error_code, public_message
+from gateway.languages import languages_open_at, normalise_language
 from gateway.messages import (
     ClientMessage,
     ErrorCode,
@@ -44,7 +45,7 @@ from gateway.messages import (
     validate_output,
 )
 from gateway.packets import OutputFormat, Packet, Packetiser
-from gateway.segmenter import Segmenter
+from gateway.segmenter import UtteranceText
 
 # -- actions ----------------------------------------------------------------------------------
 
@@ -134,7 +135,7 @@ class Status(enum.Enum):
 class Utterance:
     utterance_id: str
     stream: int
-    segmenter: Segmenter
+    segmenter: UtteranceText
     packetiser: Packetiser
     request: SynthesisRequest
     status: Status = Status.OPEN
@@ -453,7 +454,7 @@ class SessionProtocol:
         offset = resume_offset(source.words, source.text, source.cut)
         text = source.text[offset:]
         self._check_can_open(uid, len(text))
-        utt = self._new_utterance(uid, request=source.request)
+        utt = self._new_utterance(uid, request=source.request, open_languages=languages_open_at(source.text, offset))
         utt.resumed_from, utt.text_offset, utt.text = source_id, offset, text
         segments = utt.segmenter.feed(text) + utt.segmenter.flush()
         utt.status = Status.TEXT_CLOSED
@@ -491,13 +492,15 @@ class SessionProtocol:
                 "text_too_long", f"an utterance holds at most {self.config.max_text_chars} characters", uid
             )
 
-    def _new_utterance(self, uid: str, request: SynthesisRequest | None = None) -> Utterance:
+    def _new_utterance(
+        self, uid: str, request: SynthesisRequest | None = None, open_languages: tuple[str, ...] = ()
+    ) -> Utterance:
         stream = self._allocate_stream()
         if request is None:
             request = SynthesisRequest(
                 request_id=f"{self.session_id}/{uid}",
                 voice=self.voice,
-                language=self.language,
+                language=normalise_language(self.language),
                 instructions=self.instructions,
             )
         else:
@@ -510,7 +513,8 @@ class SessionProtocol:
         utt = Utterance(
             utterance_id=uid,
             stream=stream,
-            segmenter=Segmenter(self.config.segment_max_chars, self.config.segment_clause_min_chars),
+            segmenter=UtteranceText(request.language, self.config.segment_max_chars,
+                                    self.config.segment_clause_min_chars, open_languages=open_languages),
             packetiser=Packetiser(stream, self.output, self.engine.sample_rate),
             request=request,
         )

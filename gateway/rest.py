@@ -27,10 +27,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message, retry_after_s
+from gateway.languages import normalise_language
 from gateway.messages import ErrorCode
 from gateway.metrics import GatewayMetrics
 from gateway.packets import StreamResampler, to_int16
-from gateway.segmenter import Segmenter
+from gateway.segmenter import UtteranceText
 
 log = logging.getLogger("cadence.rest")
 
@@ -103,7 +104,7 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
         input=text,
         voice=_optional_text(body, "voice"),
         instructions=_optional_text(body, "instructions"),
-        language=_optional_text(body, "language") or "Auto",
+        language=normalise_language(_optional_text(body, "language")),
         response_format=response_format,
         speed=float(speed),
         sse=sse,
@@ -180,7 +181,7 @@ def make_speech_endpoint(
             status = 500 if error_code(exc) == "internal" else 400
             return fail(status, error_code(exc), public_message(exc))
         metrics.utterances.labels("rest").inc()
-        segmenter = Segmenter(config.segment_max_chars, config.segment_clause_min_chars)
+        segmenter = UtteranceText(req.language, config.segment_max_chars, config.segment_clause_min_chars)
         try:
             for segment in segmenter.feed(req.input) + segmenter.flush():
                 stream.push(segment)

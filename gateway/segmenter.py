@@ -1,23 +1,31 @@
 """Incremental text segmentation: the client's text, token by token in, engine segments out.
 
-A segment ends after sentence punctuation (. ! ? … and full-width 。！？), a line break, or, once
-it is at least `clause_min_chars` long, clause punctuation (, ; : and ，、；：). ASCII punctuation
+A segment ends after sentence punctuation (. ! ? … ‼ and full-width 。！？．｡), a line break, or,
+once it is at least `clause_min_chars` long, clause punctuation (, ; : and ，、；：､ and their small
+forms): the marks of all ten Qwen3-TTS languages (Spanish ¿ ¡ open a sentence and never end one,
+French spaced "Oui !" is cut after the mark, Russian uses the ASCII marks). ASCII punctuation
 counts only when whitespace follows it, so 3.14, 1,000, example.com/a?b and https:// never split,
 and a full stop after a known abbreviation (Dr., e.g.) or a single initial (J.) does not either.
 Segments keep their trailing whitespace, so their texts concatenate back to the client's text, and
 each carries `char_start`, its offset in that text. No segment is longer than `max_chars`.
+
+`UtteranceText` puts the language tags (gateway.languages) in front: tags are removed, a language
+change ends the segment, each segment carries its language (the tag's, or the Auto rule's), and a
+`char_map` when removed tags make its characters' offsets in the client's text non-contiguous.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 from engine.api import TextSegment
+from gateway.languages import LanguageTagger, Run, detect_language, normalise_language
 
-SENTENCE_ASCII: Final = frozenset(".!?…")
-SENTENCE_WIDE: Final = frozenset("。！？｡")
+SENTENCE_ASCII: Final = frozenset(".!?…‼⁇⁈⁉")
+SENTENCE_WIDE: Final = frozenset("。！？｡．")
 CLAUSE_ASCII: Final = frozenset(",;:")
-CLAUSE_WIDE: Final = frozenset("，、；：")
+CLAUSE_WIDE: Final = frozenset("，、；：､﹐﹑﹔﹕")
 CLOSERS: Final = frozenset("\"')]}”’»」』）】〕")
 ABBREVIATIONS: Final = frozenset(
     "mr mrs ms dr prof sr jr st mt vs etc cf approx dept fig no e.g i.e a.m p.m u.s".split()
@@ -44,16 +52,25 @@ class Segmenter:
         self.max_chars = max_chars
         self.clause_min_chars = clause_min_chars
         self._buffer = ""
-        self._start = start_offset  # offset of _buffer[0] in the client's text
+        self._offsets: list[int] = []  # _offsets[i]: offset of _buffer[i] in the client's text
+        self._next = start_offset  # offset of the next character fed without explicit offsets
 
     @property
     def pending(self) -> str:
         """Text received but not yet cut into a segment."""
         return self._buffer
 
-    def feed(self, text: str) -> list[TextSegment]:
-        """Add text; return the segments it completes."""
+    def feed(self, text: str, offsets: Sequence[int] | None = None) -> list[TextSegment]:
+        """Add text (`offsets`: each character's offset in the client's text, when not simply the
+        next ones); return the segments it completes."""
+        if offsets is None:
+            offsets = range(self._next, self._next + len(text))
+        elif len(offsets) != len(text):
+            raise ValueError("one offset per character")
         self._buffer += text
+        self._offsets.extend(offsets)
+        if text:
+            self._next = self._offsets[-1] + 1
         return self._cut(final=False)
 
     def flush(self) -> list[TextSegment]:
@@ -73,9 +90,11 @@ class Segmenter:
                 else:
                     break
             piece, self._buffer = self._buffer[:end], self._buffer[end:]
+            offsets, self._offsets = self._offsets[:end], self._offsets[end:]
             if piece.strip():
-                out.append(TextSegment(piece, char_start=self._start))
-            self._start += end
+                contiguous = offsets[-1] - offsets[0] == len(offsets) - 1
+                out.append(TextSegment(piece, char_start=offsets[0],
+                                       char_map=None if contiguous else tuple(offsets)))
         return out
 
     def _next_boundary(self, final: bool) -> int | None:
@@ -124,7 +143,7 @@ class Segmenter:
         j = i
         while j < len(self._buffer) and self._buffer[j].isspace():
             j += 1
-        return min(j, max(i, self.max_chars))
+        return min(j, self.max_chars)  # a long run of marks ("?!?!") may be cut inside
 
     def _forced_cut(self) -> int:
         """No boundary within max_chars: cut at the last clause mark or space, else at max_chars."""
@@ -134,3 +153,54 @@ class Segmenter:
             if best > 0:
                 return best + 1
         return self.max_chars
+
+
+class UtteranceText:
+    """One utterance's client text -> engine segments: language tags removed, a segment never spans
+    two languages, each labelled with its language (a tag's; under "Auto" the Auto rule's, else
+    None = the request's), then cut by a Segmenter."""
+
+    def __init__(
+        self,
+        language: str | None,
+        max_chars: int = 300,
+        clause_min_chars: int = 40,
+        start_offset: int = 0,
+        open_languages: Sequence[str] = (),
+    ) -> None:
+        self.auto = normalise_language(language) == "Auto"
+        self._tagger = LanguageTagger(start_offset, open_languages)
+        self._segmenter = Segmenter(max_chars, clause_min_chars, start_offset)
+        self._tag_language = self._tagger.language  # the language of the text in the segmenter
+        self._previous: str | None = None  # the last segment's language
+
+    @property
+    def pending(self) -> str:
+        return self._segmenter.pending
+
+    def feed(self, text: str) -> list[TextSegment]:
+        return self._take(self._tagger.feed(text))
+
+    def flush(self) -> list[TextSegment]:
+        out = self._take(self._tagger.flush())
+        return out + self._label(self._segmenter.flush())
+
+    def _take(self, runs: list[Run]) -> list[TextSegment]:
+        out: list[TextSegment] = []
+        for run in runs:
+            # text without letters or digits (spaces, punctuation between tags) joins the current span
+            if run.language != self._tag_language and any(ch.isalnum() for ch in run.text):
+                out += self._label(self._segmenter.flush())
+                self._tag_language = run.language
+            out += self._label(self._segmenter.feed(run.text, run.offsets))
+        return out
+
+    def _label(self, segments: list[TextSegment]) -> list[TextSegment]:
+        out = []
+        for segment in segments:
+            language = self._tag_language
+            if language is None and self.auto:
+                language = detect_language(segment.text) or self._previous
+            self._previous = language
+            out.append(TextSegment(segment.text, segment.char_start, language, segment.char_map))
+        return out

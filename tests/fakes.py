@@ -130,7 +130,7 @@ class FakeStream:
                         start_sample=offset,
                         end_sample=offset + len(tone),
                         char_start=segment.source_offset(match.start()),
-                        char_end=segment.source_offset(match.end()),
+                        char_end=segment.source_offset(match.end() - 1) + 1,
                         source="engine",
                     )
                     audio = np.concatenate((tone, np.zeros(rate * opts.gap_ms // 1000, np.float32)))
