@@ -3,6 +3,7 @@ saved in the upstream layout, and the loaded reference / engine models for them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +35,12 @@ def references(checkpoints: dict[str, Path]) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def bundles(checkpoints: dict[str, Path]) -> dict[str, Qwen3TTSBundle]:
     return {kind: load_qwen3_tts(path, "cpu", torch.float32) for kind, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread() -> Iterator[None]:
+    """Tiny models run far faster on one thread (and do not fight parallel test workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
