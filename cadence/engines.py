@@ -33,13 +33,19 @@ def build_engine(options: EngineOptions) -> Engine:
     if options.name == "qwen3":
         if not options.model:
             raise SystemExit("--engine qwen3 needs --model DIR (a Qwen3-TTS-12Hz checkpoint directory)")
-        from engine.qwen3_engine import Qwen3Engine
+        import torch
 
-        return Qwen3Engine.from_options(
-            model_dir=options.model,
-            device=options.device,
-            dtype=options.dtype,
-            eager=options.eager,
-            max_streams=options.max_streams,
+        from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
+
+        device = options.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype_name = options.dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+        batch = min(512, options.max_streams)
+        config = Qwen3EngineConfig(
+            max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu"
         )
+        return Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
     raise SystemExit(f"unknown engine {options.name!r}; choose one of {', '.join(ENGINES)}")
