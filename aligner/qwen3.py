@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from torch import nn
 
 from aligner.api import AlignedWord, AlignInput
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 SAMPLE_RATE = 16_000
 N_FFT = 400
@@ -52,7 +56,7 @@ class AudioEncoderConfig:
     max_source_positions: int = 1500
 
     @classmethod
-    def from_json(cls, raw: dict) -> AudioEncoderConfig:
+    def from_json(cls, raw: dict[str, Any]) -> AudioEncoderConfig:
         return cls(
             num_mel_bins=raw.get("num_mel_bins", 128),
             layers=raw.get("encoder_layers", 32),
@@ -80,7 +84,7 @@ class TextDecoderConfig:
     rms_eps: float = 1e-6
 
     @classmethod
-    def from_json(cls, raw: dict) -> TextDecoderConfig:
+    def from_json(cls, raw: dict[str, Any]) -> TextDecoderConfig:
         heads = raw.get("num_attention_heads", 32)
         return cls(
             vocab_size=raw.get("vocab_size", 151936),
@@ -107,7 +111,7 @@ class AlignerConfig:
     timestamp_token_id: int = 151705
 
     @classmethod
-    def from_json(cls, raw: dict) -> AlignerConfig:
+    def from_json(cls, raw: dict[str, Any]) -> AlignerConfig:
         thinker = raw.get("thinker_config", {})
         if "forced_aligner" not in thinker.get("model_type", "qwen3_forced_aligner"):
             raise ValueError(
@@ -308,9 +312,9 @@ class AudioEncoder(nn.Module):
         per_item: list[list[torch.Tensor]] = [[] for _ in frame_counts]
         widest: list[int] = [0] * len(frame_counts)
         for row, (item, length) in enumerate(zip(owners, lengths, strict=True)):
-            tokens = encoder_output_length(length)
-            per_item[item].append(embedded[row, :tokens])
-            widest[item] = max(widest[item], tokens)
+            count = encoder_output_length(length)
+            per_item[item].append(embedded[row, :count])
+            widest[item] = max(widest[item], count)
         windows: list[torch.Tensor] = []
         window_owner: list[int] = []
         ratio = self.cfg.n_window_infer // chunk_frames
@@ -566,7 +570,7 @@ def check_checkpoint(directory: str | Path) -> Path:
     return root
 
 
-def load_word_tokenizer(directory: str | Path):  # -> tokenizers.Tokenizer
+def load_word_tokenizer(directory: str | Path) -> Tokenizer:
     """The Qwen2 byte-level BPE from vocab.json/merges.txt (NFC, Qwen2 split regex)."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
@@ -618,7 +622,7 @@ class Qwen3ForcedAligner:
     def __init__(
         self,
         model: ForcedAlignerModel,
-        tokenizer,  # tokenizers.Tokenizer
+        tokenizer: Tokenizer,
         splitter: UnitSplitter | None = None,
     ) -> None:
         self.model = model

@@ -89,7 +89,7 @@ def split_spaced(text: str) -> list[str]:
 def nagisa_segmenter() -> Segmenter:
     """Japanese morphemes from nagisa (imported on first use: it loads a model, ~3 s)."""
     try:
-        import nagisa  # type: ignore[import-not-found]
+        import nagisa
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError(
             "Japanese alignment needs the 'nagisa' package (pip install nagisa==0.2.11)"
