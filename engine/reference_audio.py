@@ -46,11 +46,11 @@ def decode_audio_file(data: bytes) -> tuple[Audio, int]:
 def _to_float(audio: npt.NDArray[np.generic]) -> npt.NDArray[np.float64]:
     if audio.dtype.kind == "f":
         return audio.astype(np.float64, copy=False)
+    half_range = float(2 ** (8 * audio.dtype.itemsize - 1))  # full scale of integer PCM
     if audio.dtype.kind == "i":
-        return audio.astype(np.float64) / float(-np.iinfo(audio.dtype).min)
+        return audio.astype(np.float64) / half_range
     if audio.dtype.kind == "u":
-        half = (np.iinfo(audio.dtype).max + 1) / 2
-        return (audio.astype(np.float64) - half) / half
+        return (audio.astype(np.float64) - half_range) / half_range
     raise InvalidAudio(f"The reference audio has an unsupported sample type ({audio.dtype}).")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -214,11 +214,13 @@ class _ResidualQuantizer(nn.Module):
 
     def projected_tables(self) -> Tensor:
         """[n, size, io_dim]: each codebook entry already passed through output_proj."""
-        tables = torch.stack([layer._codebook.table() for layer in self.vq.layers])
+        tables = torch.stack([cast(_CodebookLayer, layer)._codebook.table() for layer in self.vq.layers])
         return tables.float() @ self.output_proj.weight[:, :, 0].float().T
 
 
 class SplitQuantizer(nn.Module):
+    fused: Tensor  # [quantizers * size, codebook_dim] projected entries, rebuilt by refresh()
+
     def __init__(self, cfg: Code2WavConfig) -> None:
         super().__init__()
         dim, size = cfg.codebook_dim // 2, cfg.codebook_size
@@ -338,6 +340,8 @@ class TransformerLayer(nn.Module):
 
 
 class PreTransformer(nn.Module):
+    inv_freq: Tensor
+
     def __init__(self, cfg: Code2WavConfig) -> None:
         super().__init__()
         self.window = cfg.sliding_window
@@ -393,7 +397,9 @@ class Code2Wav(nn.Module):
         self.decoder = nn.ModuleList(layers)
         self.positions: Tensor | None = None  # per-slot frame counters (init_streams)
         self.quantizer.refresh()
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.quantizer.refresh())
+        self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+            lambda module, _keys: module.quantizer.refresh()
+        )
 
     @property
     def window(self) -> int:
@@ -403,7 +409,8 @@ class Code2Wav(nn.Module):
                     slots: Tensor | None) -> Tensor:
         h = self.pre_conv(self.quantizer(codes), slots).transpose(1, 2)
         h = self.pre_transformer(h, positions, key_positions, slots).transpose(1, 2)
-        for trans_conv, convnext in self.upsample:
+        for stage in self.upsample:
+            trans_conv, convnext = cast(nn.ModuleList, stage)
             h = convnext(trans_conv(h, slots), slots)
         for layer in self.decoder:
             h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)

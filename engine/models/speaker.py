@@ -92,7 +92,7 @@ class SpeakerEncoderConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> SpeakerEncoderConfig:
         known = {f.name for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items() if k in known}
-        out = cls(**values)
+        out = cls(**values)  # type: ignore[arg-type]
         if not len(out.enc_channels) == len(out.enc_kernel_sizes) == len(out.enc_dilations):
             raise ValueError("enc_channels, enc_kernel_sizes and enc_dilations need the same length")
         return out

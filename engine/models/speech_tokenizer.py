@@ -27,7 +27,7 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "preprocessor_config.json"
 class SpeechTokenizerEncoder:
     """Reference audio (24 kHz mono) -> codes [frames, quantizers]."""
 
-    def __init__(self, mimi: nn.Module, quantizers: int, samples_per_frame: int) -> None:
+    def __init__(self, mimi: Any, quantizers: int, samples_per_frame: int) -> None:
         self.mimi = mimi
         self.quantizers = quantizers
         self.samples_per_frame = samples_per_frame
@@ -41,11 +41,11 @@ class SpeechTokenizerEncoder:
         return codes[0, : self.quantizers, :frames].T.contiguous()
 
 
-def build_mimi_encoder(encoder_config: dict[str, Any]) -> nn.Module:
+def build_mimi_encoder(encoder_config: dict[str, Any]) -> Any:
     """transformers' MimiModel without its decoder half (only `encoder.*` weights exist)."""
     from transformers import MimiConfig, MimiModel
 
-    mimi = MimiModel(MimiConfig(**encoder_config))
+    mimi: Any = MimiModel(MimiConfig(**encoder_config))  # type: ignore[no-untyped-call]
     mimi.upsample = None
     mimi.decoder_transformer = None
     mimi.decoder = None
