@@ -102,6 +102,7 @@ class WebhookSender:
         self._client_factory = client_factory or (lambda: httpx.AsyncClient(follow_redirects=False))
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[bool]] = set()
+        self._client_lock: asyncio.Lock | None = None
 
     @classmethod
     def from_env(cls, policy: RetryPolicy | None = None) -> WebhookSender:
@@ -133,8 +134,7 @@ class WebhookSender:
 
     async def _deliver(self, url: str, event: str, body: bytes, delivery_id: str) -> bool:
         assert self.secret is not None
-        if self._client is None:
-            self._client = self._client_factory()
+        client = await self._http()
         for attempt in range(1, self.policy.attempts + 1):
             headers = {
                 "Content-Type": "application/json",
@@ -146,7 +146,7 @@ class WebhookSender:
             self.stats.attempts += 1
             retry_after: float | None = None
             try:
-                response = await self._client.post(url, content=body, headers=headers, timeout=self.policy.timeout_s)
+                response = await client.post(url, content=body, headers=headers, timeout=self.policy.timeout_s)
             except httpx.HTTPError as exc:
                 log.info("webhook %s to %s, attempt %d: %s", delivery_id, url, attempt, exc)
             else:
@@ -161,6 +161,17 @@ class WebhookSender:
                 await asyncio.sleep(self.policy.delay(attempt, retry_after))
         self.stats.failed += 1
         return False
+
+    async def _http(self) -> httpx.AsyncClient:
+        """The shared client, built in a worker thread: loading the TLS trust store takes a good part
+        of a second, which must not stall the event loop that carries the audio."""
+        if self._client is None:
+            if self._client_lock is None:
+                self._client_lock = asyncio.Lock()
+            async with self._client_lock:
+                if self._client is None:
+                    self._client = await asyncio.to_thread(self._client_factory)
+        return self._client
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Let deliveries in flight finish for `grace_s`, cancel the rest, close the HTTP client."""

@@ -234,3 +234,24 @@ async def test_sender_drops_beyond_its_bound() -> None:
     assert tasks[2] is None and sender.stats.dropped == 1 and sender.in_flight == 2
     await sender.close(grace_s=0.0)
     assert sender.in_flight == 0
+
+
+async def test_building_the_http_client_never_stalls_the_loop(receiver: Receiver) -> None:
+    import httpx
+
+    def slow_factory() -> httpx.AsyncClient:
+        time.sleep(0.3)  # like loading a TLS trust store
+        return httpx.AsyncClient()
+
+    sender = WebhookSender(SECRET, FAST, client_factory=slow_factory)
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    task = sender.submit(receiver.url, "x", {"n": 1})
+    last = loop.time()
+    while task is not None and not task.done():
+        await asyncio.sleep(0.005)
+        gaps.append(loop.time() - last)
+        last = loop.time()
+    assert task is not None and task.result() is True
+    assert max(gaps) < 0.1
+    await sender.close()
