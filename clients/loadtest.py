@@ -277,16 +277,17 @@ def command_line(argv: list[str] | None) -> str:
     return shlex.join(["python", "-m", "clients.loadtest", *args])
 
 
-def run_metadata(args: argparse.Namespace, engine: dict[str, Any], argv: list[str] | None) -> dict[str, Any]:
+def run_metadata(args: argparse.Namespace, engine: dict[str, Any], command: str) -> dict[str, Any]:
     gpu = args.gpu or _command_output("nvidia-smi", "--query-gpu=name", "--format=csv,noheader")
     return {
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        "load_average_1m": round(os.getloadavg()[0], 2),  # other work on this machine at the start
         "gpu": gpu.splitlines()[0] if gpu else None,
         "model_shapes": args.model_shapes,
         "engine": engine,
         "commit": _command_output("git", "rev-parse", "HEAD"),
         "versions": {"python": platform.python_version(), "websockets": metadata.version("websockets")},
-        "command": command_line(argv),
+        "command": command,
     }
 
 
@@ -322,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def bench_main(argv: list[str] | None = None) -> int:
+def bench_main(argv: list[str] | None = None, command: str | None = None) -> int:
+    """The `cadence bench` command; `command` is what to record as the command line, when a wrapper
+    (e.g. one that starts a local gateway first) ran it."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -337,7 +340,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         / f"loadtest-{engine.get('name', 'engine')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     )
     output.parent.mkdir(parents=True, exist_ok=True)
-    run = run_metadata(args, engine, argv)
+    run = run_metadata(args, engine, command or command_line(argv))
     run.update({"points": [], "reference": None, "headline": None, "scaling_ratio": None})
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:

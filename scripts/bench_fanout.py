@@ -65,6 +65,23 @@ async def one_stream(
     return list(lag[keep]), error
 
 
+async def timer_jitter_ms(seconds: float = 3.0) -> dict[str, float]:
+    """The machine's noise floor: how late a plain 20 ms asyncio timer fires in this process."""
+    loop = asyncio.get_running_loop()
+    late: list[float] = []
+    due = loop.time()
+    end = due + seconds
+    while due < end:
+        due += 0.02
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        late.append((loop.time() - due) * 1000.0)
+    values = np.array(late)
+    return {
+        "p50": round(float(np.percentile(values, 50)), 2),
+        "p99": round(float(np.percentile(values, 99)), 2),
+    }
+
+
 async def one_level(url: str, streams: int, seconds: float, ramp_s: float, pacing: str) -> dict[str, Any]:
     text = ("word " * int(seconds * CHARS_PER_S / 5 + 1)).strip()
     began = time.perf_counter()
@@ -120,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             "levels": [],
         }
     )
+    record["timer_lateness_ms"] = asyncio.run(timer_jitter_ms())
+    print(f"noise floor: a 20 ms asyncio timer fires late by {record['timer_lateness_ms']} ms (p50, p99)")
     with gateway_process("null") as url:
         for streams in counts:
             level = asyncio.run(one_level(url, streams, args.seconds, args.ramp_seconds, args.pacing))
