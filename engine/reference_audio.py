@@ -101,9 +101,9 @@ def prepare_reference_audio(audio: npt.NDArray[np.generic], sample_rate: int) ->
     peak = float(np.abs(mono).max())
     if peak > 1.0:
         mono = mono / peak
-    if sample_rate != TARGET_RATE:
-        mono = soxr.resample(mono, sample_rate, TARGET_RATE, quality="HQ")
     out = np.ascontiguousarray(mono, dtype=np.float32)
+    if sample_rate != TARGET_RATE:  # float32 soxr HQ, as upstream's librosa.resample does it
+        out = np.ascontiguousarray(soxr.resample(out, sample_rate, TARGET_RATE, quality="HQ"), dtype=np.float32)
     speech = speech_seconds(out)
     if speech == 0.0:
         raise InvalidAudio("The reference audio is silent; send a recording of the voice speaking.")
