@@ -20,6 +20,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import queue
 import shlex
 import subprocess
 import sys
@@ -220,8 +221,15 @@ def run_point(
     shared.stop.set()
     progress.update(task, description=f"C={concurrency}: draining")
     records: list[RequestRecord] = []
-    for _ in workers:
-        records.extend(shared.results.get(timeout=args.max_seconds + 120))
+    received = 0
+    give_up = time.perf_counter() + args.max_seconds + 120
+    while received < len(workers) and time.perf_counter() < give_up:
+        try:
+            records.extend(shared.results.get(timeout=1.0))
+            received += 1
+        except queue.Empty:
+            if not any(w.is_alive() for w in workers) and shared.results.empty():
+                break  # a worker died without reporting: use what the others sent
     for worker in workers:
         worker.join(timeout=10)
     progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
