@@ -140,3 +140,16 @@ def _graph_check(model: Any, codes: torch.Tensor, offline: torch.Tensor) -> None
         pieces.append(static_wav.clone())
     wav = torch.cat(pieces, dim=1).cpu()
     torch.testing.assert_close(wav, offline[:2, : 100 * SAMPLES_PER_FRAME], atol=1e-4, rtol=0)
+
+
+def test_bf16_streaming_tracks_fp32(codec: Any, codes: torch.Tensor, offline: torch.Tensor) -> None:
+    """bf16 weights, state and activations: streamed output stays within bf16 noise of fp32."""
+    import copy
+
+    model = copy.deepcopy(codec).to(torch.bfloat16)
+    model.init_streams(2)
+    wav = stream(model, 1, codes[0, :100], [1, 2, 4, 8, 25, 25, 25, 10]).float()
+    assert model.positions is not None and int(model.positions[1]) == 100
+    expected = offline[0, : 100 * SAMPLES_PER_FRAME]
+    assert torch.corrcoef(torch.stack([wav, expected]))[0, 1] > 0.998
+    assert (wav - expected).abs().max() < 0.2
