@@ -1,0 +1,291 @@
+// The Cadence browser page: WS /v1/stream, playback through an AudioWorklet ring buffer, word
+// highlighting on the playback clock, barge-in with the exact played position.
+const RATE = 24000;
+const LANGUAGES = ["Auto", "English", "Chinese", "Japanese", "Korean", "German", "French", "Russian",
+  "Portuguese", "Spanish", "Italian"];
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  ws: null, ctx: null, node: null, session: null, nextId: 1,
+  streams: new Map(), // stream handle -> utterance id
+  current: null, // the utterance on screen
+  position: { uid: null, played: 0, at: 0 }, // the worklet's last report
+  underruns: 0, buffered: 0, packets: 0,
+  stopWaiters: new Map(), nextStop: 1,
+  log: [], // events for tests: {t, kind, ...}
+};
+
+function note(kind, fields = {}) { state.log.push({ t: performance.now(), kind, ...fields }); }
+function latencyS() { return state.ctx ? (state.ctx.outputLatency || 0) + (state.ctx.baseLatency || 0) : 0; }
+
+// -- audio ---------------------------------------------------------------------------------------
+async function ensureAudio() {
+  if (state.ctx) { await state.ctx.resume(); return; }
+  state.ctx = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
+  await state.ctx.audioWorklet.addModule("/web/player-worklet.js");
+  state.node = new AudioWorkletNode(state.ctx, "cadence-player", { outputChannelCount: [1] });
+  state.node.connect(state.ctx.destination);
+  state.node.port.onmessage = (event) => onWorklet(event.data);
+  await state.ctx.resume();
+  $("latency").textContent = `${Math.round(latencyS() * 1000)} ms`;
+}
+
+function onWorklet(msg) {
+  if (msg.type === "position") {
+    state.position = { uid: msg.uid, played: msg.played, at: msg.at };
+    state.underruns = msg.underruns;
+    state.buffered = msg.buffered;
+  } else if (msg.type === "finished" && state.current && msg.uid === state.current.uid) {
+    state.position = { uid: msg.uid, played: msg.played, at: state.ctx.currentTime };
+    state.current.finished = true;
+    note("finished", { uid: msg.uid });
+    setIdle();
+  } else if (msg.type === "stopped") {
+    const resolve = state.stopWaiters.get(msg.id);
+    state.stopWaiters.delete(msg.id);
+    if (resolve) resolve(msg);
+  }
+}
+
+// What the listener has heard of the current utterance (ms): frames rendered, extrapolated on the
+// audio clock since the worklet's last report, minus the output latency.
+function heardMs() {
+  const cur = state.current;
+  if (!cur || state.position.uid !== cur.uid || !state.ctx) return cur && cur.finished ? cur.receivedMs : 0;
+  const since = Math.max(0, state.ctx.currentTime - state.position.at);
+  const rendered = Math.min(state.position.played + since * RATE, cur.received);
+  return Math.max(0, (rendered - latencyS() * RATE) * 1000 / RATE);
+}
+
+function workletStop() {
+  const id = state.nextStop++;
+  return new Promise((resolve) => {
+    state.stopWaiters.set(id, resolve);
+    state.node.port.postMessage({ type: "stop", id });
+  });
+}
+
+// -- the socket ----------------------------------------------------------------------------------
+function connect() {
+  if (state.ws && state.ws.readyState <= 1) return state.session;
+  const token = new URLSearchParams(location.search).get("token");
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(`${scheme}//${location.host}/v1/stream${token ? `?token=${encodeURIComponent(token)}` : ""}`);
+  ws.binaryType = "arraybuffer";
+  state.ws = ws;
+  state.session = new Promise((resolve, reject) => {
+    ws.onopen = () => {
+      const start = { type: "session.start", language: $("language").value, timestamps: "word",
+        output: { encoding: "pcm_f32le", sample_rate: RATE, packet_ms: 20 } };
+      if ($("voice").value) start.voice = $("voice").value;
+      ws.send(JSON.stringify(start));
+    };
+    ws.onmessage = (event) => {
+      if (typeof event.data === "string") {
+        const msg = JSON.parse(event.data);
+        if (msg.type === "session.started") { setStatus("open", `connected: ${msg.engine.name}`); resolve(msg); }
+        onMessage(msg);
+      } else {
+        onPacket(event.data);
+      }
+    };
+    ws.onclose = (event) => { setStatus("error", `closed (${event.code})`); reject(new Error("closed")); };
+  });
+  return state.session;
+}
+
+function onPacket(buffer) {
+  const view = new DataView(buffer);
+  const flags = view.getUint8(1);
+  const stream = view.getUint16(2, true);
+  const uid = state.streams.get(stream);
+  const cur = state.current;
+  if (!cur || uid !== cur.uid || cur.interrupted) return; // a cancelled stream's stragglers
+  const samples = new Float32Array(buffer.slice(12));
+  state.packets += 1;
+  if (cur.ttfaMs === null) {
+    cur.ttfaMs = performance.now() - cur.sentAt;
+    $("ttfa").textContent = `${Math.round(cur.ttfaMs)} ms`;
+  }
+  cur.received += samples.length;
+  cur.receivedMs = cur.received * 1000 / RATE;
+  state.node.port.postMessage({ type: "push", uid, samples, last: (flags & 1) === 1 }, [samples.buffer]);
+}
+
+function onMessage(msg) {
+  const cur = state.current;
+  note(msg.type, { uid: msg.utterance_id });
+  if (msg.type === "utterance.started") {
+    state.streams.set(msg.stream, msg.utterance_id);
+  } else if (msg.type === "words" && cur && msg.utterance_id === cur.uid) {
+    cur.words.push(...msg.words);
+    renderWords();
+  } else if (msg.type === "utterance.done" && cur && msg.utterance_id === cur.uid) {
+    cur.done = msg;
+  } else if (msg.type === "utterance.interrupted" && cur && msg.utterance_id === cur.uid) {
+    cur.interruptReport = msg;
+    showInterrupt(msg);
+  } else if (msg.type === "error") {
+    setStatus("error", `${msg.code}: ${msg.message}`);
+  }
+}
+
+// -- speaking ------------------------------------------------------------------------------------
+async function speak() {
+  await ensureAudio();
+  if (state.current && !state.current.finished && !state.current.interrupted) await bargeIn("new text");
+  await connect();
+  const text = $("text").value;
+  const uid = `u${state.nextId++}`;
+  state.current = { uid, text, words: [], sentAt: performance.now(), ttfaMs: null, received: 0, receivedMs: 0,
+    highlighted: -1, highlightLog: [], finished: false, interrupted: null, interruptReport: null, done: null };
+  state.node.port.postMessage({ type: "start", uid });
+  $("interrupt").hidden = true;
+  $("ttfa").textContent = "…";
+  $("barge").disabled = false;
+  renderWords();
+  note("speak", { uid });
+  if ($("stream-llm").checked) {
+    for (const token of llmTokens(text)) {
+      send({ type: "speak.append", utterance_id: uid, text: token });
+      await new Promise((r) => setTimeout(r, 30));
+      if (state.current.uid !== uid || state.current.interrupted) return;
+    }
+  } else {
+    send({ type: "speak.append", utterance_id: uid, text });
+  }
+  send({ type: "speak.end", utterance_id: uid });
+}
+
+// Pieces of about the size an LLM streams: words, long words cut in three-to-four-letter parts.
+function llmTokens(text) {
+  const out = [];
+  for (const piece of text.match(/\s*\S+/g) || []) {
+    for (let i = 0; i < piece.length; i += 4) out.push(piece.slice(i, i + 4));
+  }
+  return out;
+}
+
+async function bargeIn(reason) {
+  const cur = state.current;
+  if (!cur || cur.finished || cur.interrupted) return;
+  const stopped = await workletStop();
+  const frames = stopped.uid === cur.uid ? stopped.played : 0;
+  const playedMs = Math.max(0, Math.round((frames - latencyS() * RATE) * 1000 / RATE));
+  const index = wordAt(playedMs);
+  cur.interrupted = { reason, playedMs, highlighted: index, word: index >= 0 ? cur.words[index].text : null };
+  note("barge-in", { uid: cur.uid, playedMs, highlighted: index });
+  send({ type: "speak.cancel", utterance_id: cur.uid, played_ms: playedMs });
+  setIdle();
+  renderWords();
+}
+
+function send(message) { state.ws.send(JSON.stringify(message)); }
+
+// -- words on the playback clock -----------------------------------------------------------------
+function wordAt(ms) {
+  const words = state.current ? state.current.words : [];
+  let index = -1;
+  for (let i = 0; i < words.length; i++) if (words[i].start_ms <= ms) index = i;
+  return index;
+}
+
+function escapeHtml(s) { return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]); }
+
+function renderWords() {
+  const cur = state.current;
+  if (!cur) return;
+  const words = [...cur.words].sort((a, b) => a.char_start - b.char_start);
+  const cut = cur.interrupted ? cur.interrupted.highlighted : Infinity;
+  let html = "";
+  let at = 0;
+  for (const w of words) {
+    html += escapeHtml(cur.text.slice(at, w.char_start));
+    const classes = ["word"];
+    if (w.index < cur.highlighted) classes.push("heard");
+    if (w.index === cur.highlighted) classes.push("current");
+    if (w.index > cut) classes.push("cut");
+    html += `<span class="${classes.join(" ")}" data-index="${w.index}">${escapeHtml(cur.text.slice(w.char_start, w.char_end))}</span>`;
+    at = w.char_end;
+  }
+  $("words").innerHTML = html + escapeHtml(cur.text.slice(at));
+}
+
+function tick() {
+  const cur = state.current;
+  if (cur && !cur.interrupted) {
+    const ms = heardMs();
+    const index = cur.received > 0 ? wordAt(ms) : -1;
+    if (index !== cur.highlighted) {
+      cur.highlighted = index;
+      if (index >= 0) cur.highlightLog.push({ index, ms: Math.round(ms) });
+      renderWords();
+    }
+    $("played").textContent = `${Math.round(ms)} ms`;
+  }
+  $("underruns").textContent = String(state.underruns);
+  $("packets").textContent = String(state.packets);
+  $("buffered").textContent = `${Math.round(state.buffered * 1000 / RATE)} ms`;
+}
+
+function report() {
+  const cur = state.current;
+  if (!cur || cur.interrupted || cur.finished || cur.received === 0 || !state.ws || state.ws.readyState !== 1) return;
+  send({ type: "playback.report", utterance_id: cur.uid, played_ms: Math.round(heardMs()) });
+}
+
+function showInterrupt(msg) {
+  $("interrupt").hidden = false;
+  $("last-word").textContent = msg.last_word ? msg.last_word.text : "(none)";
+  $("partial-word").textContent = msg.partial_word ? `(cut in “${msg.partial_word.text}”)` : "";
+  $("spoken-text").textContent = msg.spoken_text;
+  $("unspoken-text").textContent = msg.unspoken_text;
+  $("interrupt-ms").textContent = String(msg.played_ms);
+  $("interrupt-source").textContent = msg.position_source;
+}
+
+function setStatus(kind, text) { $("status").dataset.state = kind; $("status").textContent = text; }
+function setIdle() { $("barge").disabled = true; }
+
+// -- microphone barge-in: RMS energy above a threshold for 100 ms --------------------------------
+let micTimer = null;
+async function toggleMic(on) {
+  if (!on) { clearInterval(micTimer); micTimer = null; return; }
+  await ensureAudio();
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
+  const analyser = state.ctx.createAnalyser();
+  analyser.fftSize = 512;
+  state.ctx.createMediaStreamSource(stream).connect(analyser);
+  const data = new Float32Array(analyser.fftSize);
+  let loudMs = 0;
+  micTimer = setInterval(() => {
+    analyser.getFloatTimeDomainData(data);
+    const rms = Math.sqrt(data.reduce((s, x) => s + x * x, 0) / data.length);
+    loudMs = 20 * Math.log10(rms + 1e-9) > -35 ? loudMs + 20 : 0;
+    if (loudMs >= 100 && state.current && !state.current.finished && !state.current.interrupted) bargeIn("microphone");
+  }, 20);
+}
+
+// -- start-up --------------------------------------------------------------------------------------
+async function loadVoices() {
+  try {
+    const response = await fetch("/v1/voices");
+    if (!response.ok) return;
+    const body = await response.json();
+    for (const v of body.voices || []) {
+      const id = v.voice_id || v.id || v.name;
+      $("voice").add(new Option(v.name || id, id));
+    }
+  } catch (e) { /* the voice list is optional */ }
+}
+
+for (const language of LANGUAGES) $("language").add(new Option(language, language));
+$("speak").addEventListener("click", () => speak());
+$("barge").addEventListener("click", () => bargeIn("button"));
+$("mic-barge").addEventListener("change", (e) => toggleMic(e.target.checked));
+for (const id of ["voice", "language"]) $(id).addEventListener("change", () => { if (state.ws) state.ws.close(); });
+setInterval(tick, 20);
+setInterval(report, 100);
+loadVoices();
+
+window.cadence = { state, heardMs, bargeIn, speak, wordAt };
