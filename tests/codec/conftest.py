@@ -75,6 +75,11 @@ def reference_tokenizer() -> Any:
     torch.manual_seed(0)
     model = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**tiny_tokenizer_config_dict())).eval()
     liven_decoder(model.decoder)
+    with torch.no_grad():  # Mimi's codebooks start at zero too (every frame -> code 0)
+        gen = torch.Generator().manual_seed(1)
+        for name, buf in model.encoder.named_buffers():
+            if name.endswith("embed_sum"):
+                buf.copy_(torch.randn(buf.shape, generator=gen))
     return model
 
 

@@ -136,3 +136,24 @@ def test_missing_tensors_are_named_and_extra_ones_ignored(checkpoint: Any, tmp_p
     save_file(weights, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks decoder.pre_conv.conv.weight"):
         load_speech_tokenizer(tmp_path)
+
+
+def test_encoder_keeps_the_first_16_of_32_quantizers(reference_tokenizer: Any, tmp_path: Any) -> None:
+    """The released Mimi encoder has 32 quantizers; reference codes use the first 16."""
+    from transformers import EncodecFeatureExtractor
+
+    from engine.models.speech_tokenizer import load_speech_tokenizer
+    from tests.codec.test_speaker import voice_like
+
+    assert reference_tokenizer.encoder.config.num_quantizers == 32
+    reference_tokenizer.save_pretrained(tmp_path)
+    EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(tmp_path)
+    ours = load_speech_tokenizer(tmp_path)
+    wav = voice_like(1.3, 200.0, seed=6)
+    x = torch.from_numpy(wav)[None]
+    with torch.no_grad():
+        expected = reference_tokenizer.encode(x, torch.ones_like(x, dtype=torch.long), return_dict=True).audio_codes[0]
+    codes = ours.encode(wav)
+    assert codes.shape == expected.shape == (-(-wav.size // 1920), 16)
+    assert torch.equal(codes, expected)
+    assert len(torch.unique(codes)) > 16  # not a degenerate constant code
