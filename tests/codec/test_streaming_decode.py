@@ -153,3 +153,14 @@ def test_bf16_streaming_tracks_fp32(codec: Any, codes: torch.Tensor, offline: to
     expected = offline[0, : 100 * SAMPLES_PER_FRAME]
     assert torch.corrcoef(torch.stack([wav, expected]))[0, 1] > 0.998
     assert (wav - expected).abs().max() < 0.2
+
+
+def test_config_reads_checkpoint_dicts() -> None:
+    from engine.models.codec import Code2WavConfig
+
+    raw = {"codebook_dim": 512, "hidden_size": 512, "head_dim": 64, "upsample_rates": [8, 5, 4, 3],
+           "upsampling_ratios": [2, 2], "model_type": "", "_attn_implementation_autoset": True}
+    cfg = Code2WavConfig.from_dict(raw)
+    assert (cfg.samples_per_frame, cfg.attn_head_dim, cfg.sliding_window) == (1920, 64, 72)
+    with pytest.raises(ValueError, match="codebook_dim"):
+        Code2WavConfig.from_dict({"hidden_size": 512})
