@@ -6,7 +6,7 @@ spread over several processes, each running an asyncio loop; their records are m
 Every request may carry `"bench": {"forced_frames": N}` in its `speak.append` (the row's `frames`),
 which the gateway passes to the engine as SynthesisRequest.forced_frames.
 
-    cadence bench --url ws://127.0.0.1:8000/v1/stream --corpus bench/corpus.jsonl \
+    cadence bench --url ws://127.0.0.1:8000/v1/stream --corpus deploy/bench/corpus.jsonl \
         --concurrency 1,8,32,64 --min-seconds 60 -o deploy/bench/run.json
 """
 
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cadence bench", description="Closed-loop concurrency sweep over /v1/stream."
     )
     p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--corpus", type=Path, default=Path("bench/corpus.jsonl"), help="JSON lines: text, frames")
+    p.add_argument("--corpus", type=Path, default=Path("deploy/bench/corpus.jsonl"), help="JSON lines: text, frames")
     p.add_argument(
         "--concurrency", default=DEFAULT_LEVELS, help=f"comma-separated C values ({DEFAULT_LEVELS})"
     )

@@ -122,6 +122,7 @@ class Runner:
         self.s_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, segment step, counter
         self.s_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
         self.s_codes = torch.zeros(mb, self.groups, dtype=torch.long, device=dev)
+        self.s_true = torch.ones(mb, dtype=torch.bool, device=dev)
         self._reset_static_inputs()
         # codec
         self.codec_dummy = config.codec_slots
@@ -287,7 +288,8 @@ class Runner:
             )
             talker_params = SamplingParams(temperature=pf[:, 0], top_k=pi[:, 0], top_p=pf[:, 1], greedy=pb[:, 0])
             first = sample(logits, talker_params, seed, counter)
-            self.seen[slots, first] = True
+            # a device-side True: a Python scalar would be a host copy, illegal inside a graph
+            self.seen.index_put_((slots, first), self.s_true[:b])
             sub = SamplingParams(temperature=pf[:, 3], top_k=pi[:, 1], top_p=pf[:, 4], greedy=pb[:, 1])
             codes = self.talker.predict_codes(hidden, first, sub, seed, counter, self.cp_cache)
             self.last_codes[slots] = codes

@@ -93,6 +93,9 @@ class SpeakAppend:
     utterance_id: str
     text: str
     flush: bool = False
+    # benchmark option `"bench": {"forced_frames": N}`: the engine produces exactly N codec frames
+    # (random-weight benchmarks; see deploy/bench/README.md); read on the utterance's first append
+    forced_frames: int | None = None
     type: Literal["speak.append"] = "speak.append"
 
 
@@ -409,7 +412,20 @@ def _speak_append(f: _Fields) -> SpeakAppend:
     uid = f.ident("utterance_id")
     text = f.text("text", required=True)
     assert text is not None
-    return SpeakAppend(uid, text, f.flag("flush", False))
+    return SpeakAppend(uid, text, f.flag("flush", False), _forced_frames(f))
+
+
+MAX_FORCED_FRAMES: Final = 8192
+
+
+def _forced_frames(f: _Fields) -> int | None:
+    bench = f.raw.get("bench")
+    if bench is None:
+        return None
+    value = bench.get("forced_frames") if isinstance(bench, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_FORCED_FRAMES:
+        raise f.fail(f"`bench.forced_frames` must be an integer from 1 to {MAX_FORCED_FRAMES}")
+    return value
 
 
 def _speak_cancel(f: _Fields) -> SpeakCancel:

@@ -45,6 +45,7 @@ from gateway.messages import (
     validate_output,
 )
 from gateway.packets import OutputFormat, Packet, Packetiser
+from gateway.quotas import QuotaExceeded, Quotas
 from gateway.segmenter import UtteranceText
 
 # -- actions ----------------------------------------------------------------------------------
@@ -140,6 +141,8 @@ class Utterance:
     request: SynthesisRequest
     status: Status = Status.OPEN
     opened: bool = False  # the engine admitted it
+    quota_held: bool = False  # counted in the key's utterances in progress
+    last_text_at: float = 0.0  # when text last arrived (text_timeout_s)
     text: str = ""
     words: list[Word] = field(default_factory=list)
     engine_samples: int = 0  # engine-rate samples received
@@ -157,8 +160,23 @@ class Utterance:
 
 
 class SessionProtocol:
-    def __init__(self, session_id: str, engine: EngineInfo, config: GatewayConfig) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        engine: EngineInfo,
+        config: GatewayConfig,
+        *,
+        key_id: str = "anonymous",
+        allowed_voices: frozenset[str] | None = None,
+        quotas: Quotas | None = None,
+        now: float = 0.0,
+    ) -> None:
         self.session_id = session_id
+        self.key_id = key_id
+        self.allowed_voices = allowed_voices  # a scoped token's voices (None = any)
+        self.quotas = quotas
+        self.last_message_at = now
+        self.utterances_opened = 0
         self.engine = engine
         self.config = config
         self.output = OutputFormat(config.default_encoding, config.default_sample_rate, config.default_packet_ms)
@@ -208,6 +226,7 @@ class SessionProtocol:
     def receive_message(self, message: ClientMessage, now: float) -> list[Action]:
         if self.closed:
             return []
+        self.last_message_at = now
         if isinstance(message, SessionStart):
             return self._session_start(message)
         out = self._ensure_started()
@@ -219,7 +238,7 @@ class SessionProtocol:
 
     def _dispatch(self, message: ClientMessage, now: float) -> list[Action]:
         if isinstance(message, SpeakAppend):
-            return self._append(message)
+            return self._append(message, now)
         if isinstance(message, SpeakFlush):
             return self._flush(message.utterance_id, close=False)
         if isinstance(message, SpeakEnd):
@@ -227,7 +246,7 @@ class SessionProtocol:
         if isinstance(message, SpeakCancel):
             return self._cancel(message, now)
         if isinstance(message, SpeakResume):
-            return self._resume(message)
+            return self._resume(message, now)
         if isinstance(message, PlaybackReport):
             return self._report(message, now)
         if isinstance(message, SessionEnd):
@@ -251,6 +270,7 @@ class SessionProtocol:
         utt = self._active.pop(utterance_id, None)
         if utt is not None:
             self._streams.pop(utt.stream, None)
+            self._release_quota(utt)
         return [self._error(error_code(exc), public_message(exc), utterance_id), *self._maybe_finish_session()]
 
     def receive_chunk(self, utterance_id: str, chunk: AudioChunk) -> list[Action]:
@@ -316,6 +336,22 @@ class SessionProtocol:
         return self._maybe_finish_session()
 
     # -- shutdown -----------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Action]:
+        """Timeouts, called about once a second: an utterance whose text stays open without news
+        for `text_timeout_s` is ended as by speak.end (its audio completes, its engine slot frees);
+        a session with nothing in progress and no message for `idle_timeout_s` closes."""
+        if self.closed:
+            return []
+        out: list[Action] = []
+        for utt in list(self._active.values()):
+            if utt.status is Status.OPEN and now - utt.last_text_at > self.config.text_timeout_s:
+                out += [PushText(utt.utterance_id, s) for s in utt.segmenter.flush()]
+                utt.status = Status.TEXT_CLOSED
+                out.append(CloseText(utt.utterance_id))
+        if not self._active and now - self.last_message_at > self.config.idle_timeout_s:
+            out += self._close(CLOSE_NORMAL, "idle timeout")
+        return out
+
     def begin_shutdown(self) -> None:
         """New utterances are refused from now on; open ones may finish."""
         self.shutting_down = True
@@ -364,22 +400,28 @@ class SessionProtocol:
             "engine": {"name": self.engine.name, "model": self.engine.model},
         })]
 
-    def _append(self, message: SpeakAppend) -> list[Action]:
+    def _append(self, message: SpeakAppend, now: float) -> list[Action]:
         uid = message.utterance_id
         out: list[Action] = []
         utt = self._active.get(uid)
         if utt is None:
             if uid in self._history:
                 raise ProtocolError("utterance_closed", f"utterance {uid!r} has ended", uid)
-            self._check_can_open(uid, len(message.text))
-            utt = self._new_utterance(uid)
+            self._check_can_open(uid, len(message.text), self.voice)
+            self._take_quota(uid, len(message.text), now)
+            utt = self._new_utterance(uid, forced_frames=message.forced_frames)
+            utt.quota_held = self.quotas is not None
             out.append(OpenStream(uid, utt.request))
         elif utt.status is not Status.OPEN:
             raise ProtocolError("utterance_closed", f"utterance {uid!r} takes no more text", uid)
-        if len(utt.text) + len(message.text) > self.config.max_text_chars:
-            raise ProtocolError(
-                "text_too_long", f"an utterance holds at most {self.config.max_text_chars} characters", uid
-            )
+        else:
+            if len(utt.text) + len(message.text) > self.config.max_text_chars:
+                raise ProtocolError(
+                    "text_too_long", f"an utterance holds at most {self.config.max_text_chars} characters", uid
+                )
+            if self.quotas is not None:
+                self.quotas.take_chars(self.key_id, len(message.text), now, uid)
+        utt.last_text_at = now
         utt.text += message.text
         segments = utt.segmenter.feed(message.text)
         if message.flush:
@@ -442,7 +484,7 @@ class SessionProtocol:
         out.append(SendControl(utt.interrupted))
         return out + self._maybe_finish_session()
 
-    def _resume(self, message: SpeakResume) -> list[Action]:
+    def _resume(self, message: SpeakResume, now: float) -> list[Action]:
         uid, source_id = message.utterance_id, message.from_utterance
         source = self._history.get(source_id) or self._active.get(source_id)
         if source is None:
@@ -453,9 +495,11 @@ class SessionProtocol:
             raise ProtocolError("utterance_exists", f"utterance {uid!r} already exists", uid)
         offset = resume_offset(source.words, source.text, source.cut)
         text = source.text[offset:]
-        self._check_can_open(uid, len(text))
+        self._check_can_open(uid, len(text), source.request.voice)
+        self._take_quota(uid, len(text), now)
         utt = self._new_utterance(uid, request=source.request, open_languages=languages_open_at(source.text, offset))
         utt.resumed_from, utt.text_offset, utt.text = source_id, offset, text
+        utt.quota_held = self.quotas is not None
         segments = utt.segmenter.feed(text) + utt.segmenter.flush()
         utt.status = Status.TEXT_CLOSED
         return [OpenStream(uid, utt.request), *(PushText(uid, s) for s in segments), CloseText(uid)]
@@ -478,7 +522,7 @@ class SessionProtocol:
         return out + self._maybe_finish_session()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _check_can_open(self, uid: str, text_chars: int) -> None:
+    def _check_can_open(self, uid: str, text_chars: int, voice: str | None) -> None:
         if self.ending:
             raise ProtocolError("invalid_message", "the session is ending", uid)
         if self.shutting_down:
@@ -491,9 +535,30 @@ class SessionProtocol:
             raise ProtocolError(
                 "text_too_long", f"an utterance holds at most {self.config.max_text_chars} characters", uid
             )
+        if self.allowed_voices is not None and voice is not None and voice not in self.allowed_voices:
+            raise ProtocolError("unauthorized", f"this token may not use voice {voice!r}", uid)
+        if self.utterances_opened >= self.config.max_utterances_per_session:
+            raise QuotaExceeded(f"at most {self.config.max_utterances_per_session} utterances per session", uid)
+
+    def _take_quota(self, uid: str, text_chars: int, now: float) -> None:
+        """Count a new utterance against the key (in progress, characters); raises when over."""
+        if self.quotas is not None:
+            self.quotas.begin_utterance(self.key_id, uid)
+            try:
+                self.quotas.take_chars(self.key_id, text_chars, now, uid)
+            except ProtocolError:
+                self.quotas.end_utterance(self.key_id)
+                raise
+        self.utterances_opened += 1
+
+    def _release_quota(self, utt: Utterance) -> None:
+        if utt.quota_held and self.quotas is not None:
+            utt.quota_held = False
+            self.quotas.end_utterance(self.key_id)
 
     def _new_utterance(
-        self, uid: str, request: SynthesisRequest | None = None, open_languages: tuple[str, ...] = ()
+        self, uid: str, request: SynthesisRequest | None = None, open_languages: tuple[str, ...] = (),
+        forced_frames: int | None = None,
     ) -> Utterance:
         stream = self._allocate_stream()
         if request is None:
@@ -502,6 +567,7 @@ class SessionProtocol:
                 voice=self.voice,
                 language=normalise_language(self.language),
                 instructions=self.instructions,
+                forced_frames=forced_frames,
             )
         else:
             request = SynthesisRequest(
@@ -554,6 +620,7 @@ class SessionProtocol:
 
     def _retire(self, utt: Utterance) -> None:
         """Move a finished utterance to the history."""
+        self._release_quota(utt)
         self._active.pop(utt.utterance_id, None)
         self._streams.pop(utt.stream, None)
         self._history[utt.utterance_id] = utt
