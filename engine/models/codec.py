@@ -416,6 +416,7 @@ class Code2Wav(nn.Module):
             h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
         return h.clamp(-1.0, 1.0).squeeze(1)
 
+    @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, F, Q] (negative = padding, decoded as code 0) -> waveform [B, F * 1920]."""
         codes = codes.clamp(min=0)
@@ -447,6 +448,7 @@ class Code2Wav(nn.Module):
         tensors += [t for kv in self.pre_transformer.kv for t in kv]
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
+    @torch.no_grad()
     def reset(self, slots: Tensor) -> None:
         """Start the given slots afresh (frame 0, silent history)."""
         assert self.positions is not None, "call init_streams() first"
@@ -458,6 +460,7 @@ class Code2Wav(nn.Module):
             v.index_fill_(0, slots, 0)
         self.positions.index_fill_(0, slots, 0)
 
+    @torch.no_grad()
     def decode_step(self, slots: Tensor, codes: Tensor) -> Tensor:
         """Decode F new frames for each slot: slots [B] (distinct), codes [B, F, Q] -> [B, F * 1920]."""
         assert self.positions is not None, "call init_streams() first"

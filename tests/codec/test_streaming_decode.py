@@ -164,3 +164,12 @@ def test_config_reads_checkpoint_dicts() -> None:
     assert (cfg.samples_per_frame, cfg.attn_head_dim, cfg.sliding_window) == (1920, 64, 72)
     with pytest.raises(ValueError, match="codebook_dim"):
         Code2WavConfig.from_dict({"hidden_size": 512})
+
+
+def test_steps_never_build_autograd_history(codec: Any, codes: torch.Tensor) -> None:
+    codec.init_streams(2)
+    slots = torch.tensor([0])
+    codec.reset(slots)
+    wav = codec.decode_step(slots, codes[:1, :2])  # called without no_grad on purpose
+    assert not wav.requires_grad and not codec.pre_transformer.kv[0][0].requires_grad
+    assert not codec.decode(codes[:1, :2]).requires_grad
