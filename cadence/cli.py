@@ -26,6 +26,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
                    help="no CUDA graphs")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
+    p.add_argument("--api-keys-file", default=_env("api_keys_file", None),
+                   help="hashed API keys, one per line (python -m gateway.auth new NAME); also CADENCE_API_KEYS")
+    p.add_argument("--allowed-origins", default=_env("allowed_origins", ""),
+                   help="comma-separated browser origins allowed to open WebSockets")
+    p.add_argument("--voices-dir", default=_env("voices_dir", None), help="where registered voices are kept")
+    p.add_argument("--insecure", action="store_true", default=_env("insecure", "0") == "1",
+                   help="serve a non-loopback host without API keys")
     p.add_argument("--log-level", default=_env("log_level", "info"))
     return p
 
@@ -41,7 +48,11 @@ def serve_main(argv: list[str]) -> int:
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
         dtype=args.dtype, eager=args.eager, max_streams=args.max_streams,
     ))
-    serve(engine, host=args.host, port=args.port, config=GatewayConfig(), log_level=args.log_level)
+    config = GatewayConfig(
+        api_keys_file=args.api_keys_file, voices_dir=args.voices_dir,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+    )
+    serve(engine, host=args.host, port=args.port, config=config, log_level=args.log_level, insecure=args.insecure)
     return 0
 
 

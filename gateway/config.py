@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.messages import ENCODINGS, PACKET_MS, SAMPLE_RATES, TELEPHONY_ENCODINGS, Encoding
+from gateway.quotas import QuotaLimits
 
 
 @dataclass(slots=True)
@@ -34,6 +35,30 @@ class GatewayConfig:
     drain_timeout_s: float = 5.0
     # REST: output sample rate of /v1/audio/speech (OpenAI's pcm is 24 kHz s16le)
     rest_sample_rate: int = 24_000
+    # utterances one session may open in its life; beyond it -> `quota_exceeded`
+    max_utterances_per_session: int = 10_000
+    # an utterance whose text stays open this long without an append is ended as by speak.end
+    text_timeout_s: float = 30.0
+    # a session with nothing in progress and no client message for this long is closed (1000)
+    idle_timeout_s: float = 300.0
+    # a client that takes no audio for this long while its queue is full is closed (1008), and
+    # so is one whose control lane holds more than `control_queue_max` messages
+    slow_client_timeout_s: float = 10.0
+    control_queue_max: int = 2_000
+    # REST: request bodies larger than this (bytes) get 413 before they are read whole
+    max_body_bytes: int = 1 << 20
+    # voice registry: reference clip upload size (bytes), seconds allowed to decode it, voices kept
+    max_voice_upload_bytes: int = 10 << 20
+    voice_decode_timeout_s: float = 5.0
+    max_voices: int = 1_000
+    # where registered voices are kept (FLAC + JSON); None = in memory only
+    voices_dir: str | None = None
+    # API keys file (hashed lines, gateway.auth); keys also come from CADENCE_API_KEYS
+    api_keys_file: str | None = None
+    # browser origins allowed to open WebSockets, besides the gateway's own ("*" = any)
+    allowed_origins: tuple[str, ...] = ()
+    # per-key limits: open sessions, utterances in progress, characters per minute
+    quota_limits: QuotaLimits = field(default_factory=QuotaLimits)
 
     def __post_init__(self) -> None:
         positive = {
@@ -43,6 +68,15 @@ class GatewayConfig:
             "segment_max_chars": self.segment_max_chars,
             "send_queue_high": self.send_queue_high,
             "history_size": self.history_size,
+            "max_utterances_per_session": self.max_utterances_per_session,
+            "control_queue_max": self.control_queue_max,
+            "max_body_bytes": self.max_body_bytes,
+            "max_voice_upload_bytes": self.max_voice_upload_bytes,
+            "max_voices": self.max_voices,
+            "text_timeout_s": self.text_timeout_s,
+            "idle_timeout_s": self.idle_timeout_s,
+            "slow_client_timeout_s": self.slow_client_timeout_s,
+            "voice_decode_timeout_s": self.voice_decode_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:

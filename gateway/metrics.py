@@ -8,6 +8,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -37,11 +38,24 @@ class GatewayMetrics:
         self.errors = Counter("cadence_errors", "Error messages and responses, by code", ["code"], registry=r)
         self.utterances = Counter("cadence_utterances", "Utterances opened", ["endpoint"], registry=r)
         self.packets = Counter("cadence_packets_sent", "Audio packets sent on /v1/stream", registry=r)
+        self.engine_restarts = Counter("cadence_engine_restarts", "Engine restarts after it stopped being ready",
+                                       registry=r)
+        self.session_queue_bytes = Gauge("cadence_session_queue_bytes", "Bytes queued to send, all sessions",
+                                         registry=r)
+        self.session_queue_bytes_max = Gauge("cadence_session_queue_bytes_max", "Bytes queued to send, "
+                                             "the fullest session", registry=r)
+        self.event_loop_tasks = Gauge("cadence_event_loop_tasks", "asyncio tasks alive", registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 
     def observe_engine(self, load: EngineLoad) -> None:
         self.engine_active.set(load.active)
         self.engine_queue_depth.set(load.queued)
         self.engine_capacity.set(load.capacity)
+
+    def observe_sessions(self, queued_bytes: list[int], tasks: int) -> None:
+        self.session_queue_bytes.set(sum(queued_bytes))
+        self.session_queue_bytes_max.set(max(queued_bytes, default=0))
+        self.event_loop_tasks.set(tasks)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -21,17 +21,21 @@ from typing import Any, Literal
 
 import numpy as np
 import soundfile as sf
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
+from gateway.auth import ANONYMOUS, Principal
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message, retry_after_s
 from gateway.languages import normalise_language
 from gateway.messages import ErrorCode
 from gateway.metrics import GatewayMetrics
 from gateway.packets import StreamResampler, to_int16
+from gateway.quotas import QuotaError, Quotas
 from gateway.segmenter import UtteranceText
+from gateway.voices import read_limited
 
 log = logging.getLogger("cadence.rest")
 
@@ -119,7 +123,11 @@ def _sse(event: dict[str, Any]) -> bytes:
 class _Synthesis:
     """One request's audio at the REST output rate, as int16 PCM pieces."""
 
-    def __init__(self, stream: SynthesisStream, engine_rate: int, out_rate: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, stream: SynthesisStream, engine_rate: int, out_rate: int, metrics: GatewayMetrics,
+        on_done: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.on_done = on_done
         self.stream = stream
         self.engine_rate = engine_rate
         self.out_rate = out_rate
@@ -142,21 +150,45 @@ class _Synthesis:
                     break
         finally:
             self.stream.cancel()
+            self.on_done()
         if self.samples_out:
             rtf = (time.monotonic() - self.started) / (self.samples_out / self.out_rate)
             self.metrics.rtf.labels("rest").observe(rtf)
 
 
+class _QuotaHold:
+    """One REST utterance counted against its key until `release()` (idempotent)."""
+
+    def __init__(self, quotas: Quotas | None, key_id: str) -> None:
+        self.quotas, self.key_id, self.held = quotas, key_id, False
+
+    def take(self, chars: int) -> None:
+        if self.quotas is None:
+            return
+        self.quotas.begin_utterance(self.key_id)
+        self.held = True
+        try:
+            self.quotas.take_chars(self.key_id, chars, time.monotonic())
+        except QuotaError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self.held and self.quotas is not None:
+            self.held = False
+            self.quotas.end_utterance(self.key_id)
+
+
 def make_speech_endpoint(
-    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics
+    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics, quotas: Quotas | None = None
 ) -> Callable[[Request], Awaitable[Response]]:
     def fail(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.errors.labels(code).inc()
         return error_response(status, code, message, headers)
 
     async def speech(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > config.max_message_bytes + config.max_text_chars * 4:
+        raw = await read_limited(request, min(config.max_body_bytes, config.max_message_bytes + config.max_text_chars * 4))
+        if raw is None:
             return fail(413, "text_too_long", "request body too large")
         try:
             body = json.loads(raw)
@@ -166,6 +198,24 @@ def make_speech_endpoint(
             req = parse_speech_request(body, config)
         except BadRequest as exc:
             return fail(400, exc.code, exc.message)
+        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        if not principal.may_use_voice(req.voice):
+            return fail(403, "unauthorized", f"this token may not use voice {req.voice!r}")
+        hold = _QuotaHold(quotas, principal.key_id)
+        try:
+            hold.take(len(req.input))
+        except QuotaError as exc:
+            return fail(429, exc.code, exc.message, {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+        try:
+            response = await _speak(request, req, hold)
+        except BaseException:
+            hold.release()
+            raise
+        if not isinstance(response, StreamingResponse):  # done (or refused): a stream releases at its end
+            hold.release()
+        return response
+
+    async def _speak(request: Request, req: SpeechRequest, hold: _QuotaHold) -> Response:
         try:
             stream = engine.open(SynthesisRequest(
                 request_id=f"rest-{uuid.uuid4().hex[:12]}",
@@ -189,13 +239,15 @@ def make_speech_endpoint(
         except EngineError as exc:
             stream.cancel()
             return fail(400, error_code(exc), public_message(exc))
-        synthesis = _Synthesis(stream, engine.info.sample_rate, config.rest_sample_rate, metrics)
+        synthesis = _Synthesis(stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release)
         headers = {"X-Sample-Rate": str(config.rest_sample_rate)}
+        release = BackgroundTask(hold.release)  # also when the client left before the first byte
         if req.sse:
             return StreamingResponse(_sse_events(synthesis, req, metrics), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+                                     headers={**headers, "Cache-Control": "no-cache"}, background=release)
         if req.response_format == "pcm":
-            return StreamingResponse(_pcm_bytes(synthesis, metrics), media_type=MEDIA_TYPES["pcm"], headers=headers)
+            return StreamingResponse(_pcm_bytes(synthesis, metrics), media_type=MEDIA_TYPES["pcm"], headers=headers,
+                                     background=release)
         try:
             pcm = b"".join([piece async for piece, _ in synthesis.pieces()])
         except EngineError as exc:

@@ -3,6 +3,8 @@ drain and close the open sessions with 1001, then let uvicorn finish (lifespan s
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 from typing import Any
 
@@ -11,7 +13,35 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from engine.api import Engine
 from gateway.app import Gateway, create_app
+from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+
+log = logging.getLogger("cadence.server")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, auth_enabled: bool, insecure: bool) -> str:
+    """The start-up line about who can reach the server; raises SystemExit for an open server on
+    a non-loopback address unless `insecure` was asked for."""
+    if auth_enabled:
+        return f"API keys configured: every endpoint but /, /healthz and /readyz needs a key or token ({host})"
+    if is_loopback(host):
+        return (f"no API keys configured: open to anyone on this machine, listening on loopback {host} only "
+                "(set CADENCE_API_KEYS or --api-keys-file to serve other hosts)")
+    if not insecure:
+        raise SystemExit(
+            f"refusing to serve {host} without API keys: anyone who can reach it could use the engine. "
+            "Configure keys (CADENCE_API_KEYS / --api-keys-file), bind 127.0.0.1, or pass --insecure."
+        )
+    return f"INSECURE: no API keys configured and listening on {host}: anyone who can reach it may use it"
 
 
 class LenientTextProtocol(WebSocketsSansIOProtocol):
@@ -50,10 +80,14 @@ class GatewayServer(uvicorn.Server):
 
 def build_server(
     engine: Engine, host: str = "127.0.0.1", port: int = 8000, config: GatewayConfig | None = None,
-    **uvicorn_options: Any,
+    *, auth: Authenticator | None = None, insecure: bool = False, **uvicorn_options: Any,
 ) -> GatewayServer:
     config = config or GatewayConfig()
-    app = create_app(engine, config)
+    app = create_app(engine, config, auth)
+    gateway_state: Gateway = app.state.gateway
+    exposure = check_exposure(host, gateway_state.auth.enabled, insecure)
+    (log.warning if exposure.startswith("INSECURE") else log.info)(exposure)
+    print(f"cadence: {exposure}", flush=True)
     uv_config = uvicorn.Config(
         app,
         host=host,
@@ -71,7 +105,7 @@ def build_server(
 
 def serve(
     engine: Engine, host: str = "127.0.0.1", port: int = 8000, config: GatewayConfig | None = None,
-    log_level: str = "info",
+    log_level: str = "info", insecure: bool = False,
 ) -> None:
     """Serve until SIGINT / SIGTERM."""
-    build_server(engine, host, port, config, log_level=log_level).run()
+    build_server(engine, host, port, config, insecure=insecure, log_level=log_level).run()

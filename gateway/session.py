@@ -1,7 +1,11 @@
 """One WebSocket session: the asyncio glue around the sans-I/O SessionProtocol.
 
-Tasks: a reader (client frames -> protocol), a writer (send queue -> socket, with pacing), and one
-pull task per utterance (engine chunks -> protocol). Everything the protocol asks for runs in
+Tasks: a reader (client frames -> protocol), a writer (send queue -> socket, with pacing), a
+ticker (timeouts, the slow-client watchdog), and one pull task per utterance (engine chunks ->
+protocol). A client that reads nothing fills only its own queue: past the high watermark its
+utterances stop pulling engine audio (the engine never waits), and when the writer has made no
+progress for `slow_client_timeout_s` with audio queued, or the control lane passes
+`control_queue_max`, the session is closed with 1008 and its engine streams are cancelled. Everything the protocol asks for runs in
 `_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
 `utterance.interrupted` happen together: no packet of that stream is sent after the fence.
 """
@@ -19,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from engine.api import Engine, EngineError, SynthesisStream
 from gateway.config import GatewayConfig
-from gateway.errors import CLOSE_GOING_AWAY
+from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
 from gateway.metrics import GatewayMetrics
 from gateway.packets import Packet
@@ -36,6 +40,7 @@ from gateway.protocol import (
     SendTrailer,
     SessionProtocol,
 )
+from gateway.quotas import Quotas
 
 log = logging.getLogger("cadence.session")
 
@@ -74,6 +79,13 @@ class SendQueue:
             self.writable.clear()
         self._wake.set()
 
+    def queued_bytes(self) -> int:
+        """Memory held by queued frames (payloads and JSON text), for /metrics."""
+        total = sum(len(c) if isinstance(c, str) else 0 for c in self.control)
+        for a in self.audio:
+            total += len(a.item) if isinstance(a.item, str) else len(a.item.frame)
+        return total
+
     def purge(self, stream: int) -> int:
         before = len(self.audio)
         self.audio = deque(a for a in self.audio if a.stream != stream)
@@ -105,15 +117,24 @@ class Session:
         config: GatewayConfig,
         metrics: GatewayMetrics,
         session_id: str | None = None,
+        *,
+        key_id: str = "anonymous",
+        allowed_voices: frozenset[str] | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.websocket = websocket
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.session_id = session_id or uuid.uuid4().hex[:16]
-        self.protocol = SessionProtocol(self.session_id, engine.info, config)
-        self.queue = SendQueue(config.send_queue_high, config.send_queue_low)
         self._loop = asyncio.get_running_loop()
+        self.protocol = SessionProtocol(
+            self.session_id, engine.info, config, key_id=key_id, allowed_voices=allowed_voices, quotas=quotas,
+            now=self._loop.time(),
+        )
+        self.queue = SendQueue(config.send_queue_high, config.send_queue_low)
+        self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
+        self._last_progress = self._loop.time()  # when the writer last sent a frame
         self._streams: dict[str, SynthesisStream] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._first_text_at: dict[str, float] = {}
@@ -128,15 +149,20 @@ class Session:
         self.metrics.active_sessions.inc()
         reader = asyncio.create_task(self._read_loop())
         writer = asyncio.create_task(self._write_loop())
+        ticker = asyncio.create_task(self._tick_loop())
+        tasks = (reader, writer, ticker)
         try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (reader, writer):
+            for task in tasks:
                 task.cancel()
-            for task in (reader, writer):
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             self._stop_all_streams()
+            if self.close_reason is not None:  # the writer may be stuck: close without waiting long
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._close_socket(_CloseItem(*self.close_reason)), 1.0)
             self.metrics.active_sessions.dec()
             self.metrics.active_utterances.dec(self._counted_active)
             self._counted_active = 0
@@ -152,6 +178,32 @@ class Session:
         self._execute(self.protocol.abort(CLOSE_GOING_AWAY, "server shutting down"))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._done.wait(), 2.0)
+
+    def queued_bytes(self) -> int:
+        return self.queue.queued_bytes()
+
+    # -- ticker -------------------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        """Protocol timeouts and the slow-client watchdog, once a second; returns to end the session."""
+        period = min(1.0, self.config.slow_client_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = self._loop.time()
+            self._execute(self.protocol.tick(now))
+            stalled = now - self._last_progress
+            if self.queue.audio and stalled > self.config.slow_client_timeout_s:
+                self._end(CLOSE_POLICY, f"client too slow: no audio taken for {stalled:.0f} s")
+                return
+            if len(self.queue.control) > self.config.control_queue_max:
+                self._end(CLOSE_POLICY, "client too slow: too many messages queued")
+                return
+
+    def _end(self, code: int, reason: str) -> None:
+        log.info("session %s closed: %s", self.session_id, reason)
+        self.metrics.errors.labels("slow_client").inc()
+        self.close_reason = (code, reason)
+        self.queue.control.clear()
+        self.queue.audio.clear()
 
     # -- reader -------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -176,8 +228,10 @@ class Session:
                     await self._close_socket(item)
                     return
                 await self.websocket.send_text(item)
+                self._last_progress = self._loop.time()
                 continue
             if not self.queue.audio:
+                self._last_progress = self._loop.time()
                 await self.queue.wait()
                 continue
             head = self.queue.audio[0]
@@ -187,14 +241,17 @@ class Session:
                     due = t0 + head.item.header.sample_offset / self.protocol.output.sample_rate - lead
                     wait = due - self._loop.time()
                     if wait > 0:
+                        self._last_progress = self._loop.time()  # pacing, not a slow client
                         await self.queue.wait(wait)
                         continue
             entry = self.queue.pop_audio()
             if isinstance(entry.item, str):
                 await self.websocket.send_text(entry.item)
+                self._last_progress = self._loop.time()
                 self._execute(self.protocol.trailer_sent(entry.stream))
                 continue
             await self.websocket.send_bytes(entry.item.frame)
+            self._last_progress = self._loop.time()
             self._after_packet_sent(entry.stream, entry.item)
 
     def _after_packet_sent(self, stream: int, packet: Packet) -> None:

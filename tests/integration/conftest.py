@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -36,8 +37,8 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(engine: Engine, config: GatewayConfig | None = None) -> Iterator[RunningGateway]:
-    server = build_server(engine, "127.0.0.1", 0, config, log_level="warning", lifespan="on")
+def run_gateway(engine: Engine, config: GatewayConfig | None = None, **options: Any) -> Iterator[RunningGateway]:
+    server = build_server(engine, "127.0.0.1", 0, config, log_level="warning", lifespan="on", **options)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -61,8 +62,8 @@ def gateway_factory() -> Iterator[GatewayFactory]:
     """Start gateways with a given engine and config; all are stopped after the test."""
     stack: list[contextmanager[RunningGateway]] = []  # type: ignore[valid-type]
 
-    def start(engine: Engine | None = None, config: GatewayConfig | None = None) -> RunningGateway:
-        manager = run_gateway(engine or FakeEngine(), config)
+    def start(engine: Engine | None = None, config: GatewayConfig | None = None, **options: Any) -> RunningGateway:
+        manager = run_gateway(engine or FakeEngine(), config, **options)
         stack.append(manager)
         return manager.__enter__()
 

@@ -1,0 +1,115 @@
+"""Per-key quotas: open sessions, concurrent utterances, characters per minute (pure Python; the
+caller passes the time). Over a limit: `QuotaExceeded` (a count: retry when something finishes) or
+`RateLimited` (a rate: `retry_after_s` says when the budget allows the request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final, cast
+
+from gateway.messages import ErrorCode, ProtocolError
+
+# error codes of the limits (to be added to gateway.messages.ErrorCode)
+RATE_LIMITED: Final = cast(ErrorCode, "rate_limited")
+QUOTA_EXCEEDED: Final = cast(ErrorCode, "quota_exceeded")
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaLimits:
+    sessions: int = 100  # open WebSocket sessions per key
+    utterances: int = 64  # utterances in progress at once per key (WebSocket and REST)
+    chars_per_minute: int = 100_000  # characters of text per key, a token bucket refilled per second
+
+    def __post_init__(self) -> None:
+        if min(self.sessions, self.utterances, self.chars_per_minute) <= 0:
+            raise ValueError("quota limits must be positive")
+
+
+class QuotaError(ProtocolError):
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: float, utterance_id: str | None = None):
+        super().__init__(code, message, utterance_id)
+        self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(QuotaError):
+    def __init__(self, message: str, utterance_id: str | None = None) -> None:
+        super().__init__(QUOTA_EXCEEDED, message, 1.0, utterance_id)
+
+
+class RateLimited(QuotaError):
+    def __init__(self, message: str, retry_after_s: float, utterance_id: str | None = None) -> None:
+        super().__init__(RATE_LIMITED, message, retry_after_s, utterance_id)
+
+
+@dataclass(slots=True)
+class _Usage:
+    sessions: int = 0
+    utterances: int = 0
+    chars: float = 0.0  # bucket level (characters available)
+    refilled_at: float | None = None
+
+
+@dataclass(slots=True)
+class Quotas:
+    """Usage per key id against `limits` (or a key's own limits in `per_key`)."""
+
+    limits: QuotaLimits = field(default_factory=QuotaLimits)
+    per_key: dict[str, QuotaLimits] = field(default_factory=dict)
+    _usage: dict[str, _Usage] = field(default_factory=dict)
+
+    def limits_for(self, key_id: str) -> QuotaLimits:
+        return self.per_key.get(key_id, self.limits)
+
+    def usage(self, key_id: str) -> tuple[int, int]:
+        """(open sessions, utterances in progress) of a key."""
+        u = self._usage.get(key_id)
+        return (u.sessions, u.utterances) if u else (0, 0)
+
+    def open_session(self, key_id: str) -> None:
+        usage = self._get(key_id)
+        limit = self.limits_for(key_id).sessions
+        if usage.sessions >= limit:
+            raise QuotaExceeded(f"at most {limit} open sessions per key")
+        usage.sessions += 1
+
+    def close_session(self, key_id: str) -> None:
+        usage = self._get(key_id)
+        usage.sessions = max(0, usage.sessions - 1)
+        self._forget_if_idle(key_id, usage)
+
+    def begin_utterance(self, key_id: str, utterance_id: str | None = None) -> None:
+        usage = self._get(key_id)
+        limit = self.limits_for(key_id).utterances
+        if usage.utterances >= limit:
+            raise QuotaExceeded(f"at most {limit} utterances in progress per key", utterance_id)
+        usage.utterances += 1
+
+    def end_utterance(self, key_id: str) -> None:
+        usage = self._get(key_id)
+        usage.utterances = max(0, usage.utterances - 1)
+        self._forget_if_idle(key_id, usage)
+
+    def take_chars(self, key_id: str, count: int, now: float, utterance_id: str | None = None) -> None:
+        """Spend `count` characters, or raise RateLimited without spending any."""
+        per_minute = self.limits_for(key_id).chars_per_minute
+        usage = self._get(key_id)
+        if usage.refilled_at is None:
+            usage.chars, usage.refilled_at = float(per_minute), now
+        usage.chars = min(float(per_minute), usage.chars + (now - usage.refilled_at) * per_minute / 60.0)
+        usage.refilled_at = now
+        if count > per_minute:
+            raise RateLimited(f"at most {per_minute} characters per minute per key", 60.0, utterance_id)
+        if count > usage.chars:
+            wait = (count - usage.chars) * 60.0 / per_minute
+            raise RateLimited(
+                f"over {per_minute} characters per minute; retry in {wait:.1f} s", wait, utterance_id
+            )
+        usage.chars -= count
+
+    def _get(self, key_id: str) -> _Usage:
+        return self._usage.setdefault(key_id, _Usage())
+
+    def _forget_if_idle(self, key_id: str, usage: _Usage) -> None:
+        # a key with nothing open and a full bucket carries no state worth keeping
+        if usage.sessions == 0 and usage.utterances == 0 and usage.refilled_at is None:
+            self._usage.pop(key_id, None)
