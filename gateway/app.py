@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -16,12 +17,23 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine.api import Engine
+from gateway.auth import (
+    ANONYMOUS,
+    Authenticator,
+    AuthMiddleware,
+    Principal,
+    from_environment,
+    make_token_endpoint,
+)
 from gateway.config import GatewayConfig
-from gateway.errors import CLOSE_GOING_AWAY
+from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
+from gateway.messages import encode
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import QuotaError, Quotas
 from gateway.rest import make_speech_endpoint
 from gateway.session import Session
 from gateway.twilio import TwilioGateway
+from gateway.voices import VoiceRegistry, make_voice_endpoints
 from gateway.webhooks import WebhookSender, WebhookSession
 
 log = logging.getLogger("cadence.app")
@@ -33,13 +45,18 @@ WEB_PAGE = WEB_DIR / "index.html"
 class Gateway:
     """What the routes share: the engine, the limits, the metrics and the open sessions."""
 
-    def __init__(self, engine: Engine, config: GatewayConfig) -> None:
+    def __init__(self, engine: Engine, config: GatewayConfig, auth: Authenticator | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = GatewayMetrics()
         self.sessions: set[Session] = set()
         self.ready = False
         self.closing = False
+        self.auth = auth or from_environment(config.api_keys_file, config.allowed_origins)
+        self.quotas = Quotas(config.quota_limits)
+        self.voices = VoiceRegistry(engine, config, config.voices_dir)
+        self.engine_restarts = 0
+        self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
 
     async def close_sessions(self) -> None:
@@ -56,12 +73,47 @@ class Gateway:
         if self.closing:
             await websocket.close(CLOSE_GOING_AWAY, "server shutting down")
             return
-        session = WebhookSession(websocket, self.engine, self.config, self.metrics, webhooks=self.webhooks)
+        principal: Principal = websocket.scope.get("state", {}).get("principal", ANONYMOUS)
+        try:
+            self.quotas.open_session(principal.key_id)
+        except QuotaError as exc:
+            await websocket.send_text(encode({"type": "error", "code": exc.code, "message": exc.message}))
+            await websocket.close(CLOSE_POLICY, exc.message[:120])
+            return
+        session = WebhookSession(
+            websocket, self.engine, self.config, self.metrics, webhooks=self.webhooks,
+            key_id=principal.key_id, allowed_voices=principal.voices, quotas=self.quotas,
+        )
         self.sessions.add(session)
         try:
             await session.run()
         finally:
             self.sessions.discard(session)
+            self.quotas.close_session(principal.key_id)
+
+    async def supervise_engine(self, period_s: float = 1.0) -> None:
+        """Restart an engine that stops being ready (its worker died) while the gateway serves;
+        /readyz says 503 with the reason meanwhile, and counts the restarts."""
+        while True:
+            await asyncio.sleep(period_s)
+            if not self.ready or self.closing:
+                continue
+            try:
+                ready = self.engine.load().ready
+            except Exception as exc:  # a broken engine may fail to report at all
+                ready, self.engine_problem = False, f"load() failed: {exc.__class__.__name__}"
+            if ready:
+                self.engine_problem = None
+                continue
+            self.engine_problem = self.engine_problem or "engine not ready"
+            log.error("engine %s is not ready (%s): restarting it", self.engine.info.name, self.engine_problem)
+            try:
+                await self.engine.stop()
+                await self.engine.start()
+                self.engine_restarts += 1
+                self.metrics.engine_restarts.inc()
+            except Exception:
+                log.exception("engine restart failed; retrying")
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -70,11 +122,15 @@ class Gateway:
         load = self.engine.load()
         ready = self.ready and load.ready and not self.closing
         body = {"ready": ready, "engine": self.engine.info.name, "active": load.active, "queued": load.queued,
-                "capacity": load.capacity}
+                "capacity": load.capacity, "engine_restarts": self.engine_restarts}
+        if not ready:
+            body["reason"] = ("shutting down" if self.closing else self.engine_problem
+                              or ("starting" if not self.ready else "engine not ready"))
         return JSONResponse(body, 200 if ready else 503)
 
     async def metrics_page(self, request: Request) -> Response:
         self.metrics.observe_engine(self.engine.load())
+        self.metrics.observe_sessions([s.queued_bytes() for s in self.sessions], len(asyncio.all_tasks()))
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -84,27 +140,34 @@ class Gateway:
         return PlainTextResponse("Cadence gateway: WS /v1/stream, POST /v1/audio/speech\n")
 
 
-def create_app(engine: Engine, config: GatewayConfig | None = None) -> Starlette:
-    gateway = Gateway(engine, config or GatewayConfig())
+def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authenticator | None = None) -> Starlette:
+    gateway = Gateway(engine, config or GatewayConfig(), auth)
     twilio = TwilioGateway(engine, gateway.config, gateway.webhooks)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        await gateway.voices.load_saved()
         gateway.ready = True
         log.info("engine %s (%s) ready", engine.info.name, engine.info.model)
+        supervisor = asyncio.create_task(gateway.supervise_engine())
         try:
             yield
         finally:
+            supervisor.cancel()
             gateway.ready = False
             await gateway.close_sessions()
             await twilio.close()
             await engine.stop()
             await gateway.webhooks.close()
 
+    voices_collection, voices_item = make_voice_endpoints(gateway.voices)
     routes = [
         WebSocketRoute("/v1/stream", gateway.stream),
-        Route("/v1/audio/speech", make_speech_endpoint(engine, gateway.config, gateway.metrics), methods=["POST"]),
+        Route("/v1/audio/speech", make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas), methods=["POST"]),
+        Route("/v1/tokens", make_token_endpoint(gateway.auth), methods=["POST"]),
+        Route("/v1/voices", voices_collection, methods=["GET", "POST"]),
+        Route("/v1/voices/{voice_id}", voices_item, methods=["GET", "DELETE"]),
         Route("/healthz", gateway.healthz),
         Route("/readyz", gateway.readyz),
         Route("/metrics", gateway.metrics_page),
@@ -112,7 +175,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None) -> Starlette
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AuthMiddleware, auth=gateway.auth)])
     app.state.gateway = gateway
     app.state.twilio = twilio
     return app
