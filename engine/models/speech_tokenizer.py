@@ -8,6 +8,7 @@ is a cold path (once per new voice), so it reuses transformers' `MimiModel` with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,10 @@ class SpeechTokenizer:
     def encode(self, audio_24k: npt.NDArray[np.float32]) -> Tensor:
         """Reference codes [frames, 16] (LongTensor) for a 24 kHz mono clip."""
         if self.encoder is None:
-            raise RuntimeError("this speech tokenizer was loaded without its encoder")
+            raise RuntimeError(
+                "this speech tokenizer has no reference encoder (loaded without it, or transformers "
+                "is not installed); in-context voice clones need it"
+            )
         return self.encoder(audio_24k)
 
 
@@ -101,7 +105,7 @@ def load_speech_tokenizer(path: str | Path, device: str | torch.device = "cpu",
     decoder.to(device=device, dtype=dtype).eval()
 
     encoder = None
-    if with_encoder:
+    if with_encoder and importlib.util.find_spec("transformers") is not None:
         mimi = build_mimi_encoder(cfg.get("encoder_config") or {})
         _load(mimi, weights, "encoder.", root)
         mimi.to(device=device, dtype=torch.float32).eval()
