@@ -1,6 +1,7 @@
 // The Cadence browser page: WS /v1/stream, playback through an AudioWorklet ring buffer, word
 // highlighting on the playback clock, barge-in with the exact played position.
 const RATE = 24000;
+const PREBUFFER_MS = 60; // gathered before playback starts: a jitter margin for the first packets
 const LANGUAGES = ["Auto", "English", "Chinese", "Japanese", "Korean", "German", "French", "Russian",
   "Portuguese", "Spanish", "Italian"];
 const $ = (id) => document.getElementById(id);
@@ -139,7 +140,7 @@ async function speak() {
   const uid = `u${state.nextId++}`;
   state.current = { uid, text, words: [], sentAt: performance.now(), ttfaMs: null, received: 0, receivedMs: 0,
     highlighted: -1, highlightLog: [], finished: false, interrupted: null, interruptReport: null, done: null };
-  state.node.port.postMessage({ type: "start", uid });
+  state.node.port.postMessage({ type: "start", uid, prebufferMs: PREBUFFER_MS });
   $("interrupt").hidden = true;
   $("ttfa").textContent = "…";
   $("barge").disabled = false;

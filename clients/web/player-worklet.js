@@ -1,5 +1,6 @@
-// Cadence playback worklet: a ring buffer played at the audio clock. Packets are played as they
-// arrive; running dry mid-utterance counts one underrun. Every ~100 ms it posts how many frames of
+// Cadence playback worklet: a ring buffer played at the audio clock. An utterance starts once
+// `prebufferMs` of it has arrived (or all of it), then packets are played as they arrive; running
+// dry mid-utterance counts one underrun. Every ~100 ms it posts how many frames of
 // the current utterance it has rendered (and the audio clock then); `stop` answers with the exact
 // count and empties the buffer (the barge-in).
 class CadencePlayer extends AudioWorkletProcessor {
@@ -16,13 +17,16 @@ class CadencePlayer extends AudioWorkletProcessor {
     this.starving = false;
     this.underruns = 0;
     this.sinceReport = 0;
+    this.prebuffer = 0; // frames to gather before an utterance starts playing
+    this.playing = false;
     this.port.onmessage = (event) => this.onMessage(event.data);
   }
 
   onMessage(msg) {
     if (msg.type === "start") {
       this.read = this.write;
-      Object.assign(this, { uid: msg.uid, played: 0, received: 0, ended: false, finished: false, starving: false });
+      Object.assign(this, { uid: msg.uid, played: 0, received: 0, ended: false, finished: false, starving: false,
+        playing: false, prebuffer: Math.round(((msg.prebufferMs ?? 60) * sampleRate) / 1000) });
     } else if (msg.type === "push" && msg.uid === this.uid) {
       const samples = msg.samples;
       const room = this.ring.length - (this.write - this.read);
@@ -42,13 +46,14 @@ class CadencePlayer extends AudioWorkletProcessor {
     const out = outputs[0][0];
     const n = out.length;
     const available = this.write - this.read;
-    const take = this.uid === null ? 0 : Math.min(n, available);
+    if (!this.playing && this.uid !== null && (available >= this.prebuffer || this.ended)) this.playing = true;
+    const take = this.playing && this.uid !== null ? Math.min(n, available) : 0;
     for (let i = 0; i < take; i++) out[i] = this.ring[(this.read + i) % this.ring.length];
     out.fill(0, take);
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
     this.read += take;
     this.played += take;
-    if (this.uid !== null && take < n && !this.ended && this.received > 0) {
+    if (this.playing && take < n && !this.ended) {
       if (!this.starving) this.underruns += 1;
       this.starving = true;
     } else if (take === n) {

@@ -69,3 +69,18 @@ def test_barge_in_reports_the_word_that_was_playing(page: Any, espeak_gateway: R
     after = page.evaluate("cadence.state.position")
     assert after["uid"] is None  # the worklet stopped playing at the barge-in
     screenshot(page, "browser_page.png")
+
+
+def test_stream_like_an_llm_sends_tokens_and_plays(page: Any, espeak_gateway: RunningGateway) -> None:
+    page.goto(f"{espeak_gateway.http}/")
+    page.wait_for_function("window.cadence !== undefined")
+    page.select_option("#language", "English")
+    page.check("#stream-llm")
+    page.fill("#text", SENTENCE)
+    page.click("#speak")
+    page.wait_for_function("cadence.state.current && cadence.state.current.finished", timeout=20_000)
+    appends = page.evaluate("window.sent.filter(s => s.msg.type === 'speak.append').map(s => s.msg.text)")
+    assert len(appends) > len(SENTENCE.split()) and "".join(appends) == SENTENCE
+    assert all(len(piece) <= 4 for piece in appends)
+    log = page.evaluate("cadence.state.current.highlightLog.map(e => e.index)")
+    assert log == list(range(len(SENTENCE.split())))
