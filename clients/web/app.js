@@ -270,7 +270,8 @@ async function toggleMic(on) {
 // -- start-up --------------------------------------------------------------------------------------
 async function loadVoices() {
   try {
-    const response = await fetch("/v1/voices");
+    const token = new URLSearchParams(location.search).get("token");
+    const response = await fetch("/v1/voices", token ? { headers: { Authorization: `Bearer ${token}` } } : {});
     if (!response.ok) return;
     const body = await response.json();
     for (const v of body.voices || []) {
