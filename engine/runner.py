@@ -134,6 +134,9 @@ class Runner:
         self.batches = batch_buckets(mb)
         self.kv_buckets = sorted({k for k in config.kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
         self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
+        # Code2Wav graphs replay on their own stream, concurrently with the talker's: they must not
+        # share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
+        self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -361,13 +364,13 @@ class Runner:
         b = bucket_for(n, self.codec_batches) or n
         codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
         slot_list = [c.codec_slot for c in rows] + [self.codec_dummy] * (b - n)
-        if ("codec", b, f) not in self.graphs.graphs:
+        if ("codec", b, f) not in self.codec_graphs.graphs:
             slots = torch.tensor(slot_list[:n], dtype=torch.long).to(self.device, non_blocking=True)
             return self.codec.decode_step(slots, codes.to(self.device, non_blocking=True))
         slots_buf, codes_buf, out = self._codec_buffers(b, f)
         slots_buf.copy_(torch.tensor(slot_list, dtype=torch.long), non_blocking=True)
         codes_buf[:n].copy_(codes, non_blocking=True)
-        self.graphs.run(("codec", b, f), self._codec_fn(b, f))
+        self.codec_graphs.run(("codec", b, f), self._codec_fn(b, f))
         return out[:n]
 
     # -- start-up ------------------------------------------------------------------------------
@@ -404,11 +407,12 @@ class Runner:
                 fn = self._sample_fn(int(key[1]))  # type: ignore[call-overload]
             else:
                 fn = self._codec_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
-            self.graphs.capture(key, fn)
+            bank = self.codec_graphs if key[0] == "codec" else self.graphs
+            bank.capture(key, fn)
             if progress is not None:
                 progress(i + 1, len(keys), key)
         torch.cuda.synchronize(self.device)
-        return len(self.graphs)
+        return len(self.graphs) + len(self.codec_graphs)
 
 
 def capture_with_progress(runner: Runner) -> int:

@@ -137,7 +137,8 @@ def run_batch(runner: Runner, cfg, args: argparse.Namespace, b: int) -> dict:
 
 
 def time_replay(runner: Runner, key: tuple, iters: int = 20) -> float:
-    graph = runner.graphs.graphs.get(key)
+    bank = runner.codec_graphs if key[0] == "codec" else runner.graphs
+    graph = bank.graphs.get(key)
     if graph is None or runner.device.type != "cuda":
         return float("nan")
     runner._reset_static_inputs()

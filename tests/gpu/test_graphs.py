@@ -102,7 +102,7 @@ def test_codec_graph_equals_eager_on_a_twin_slot(runner):
         slots, codes_buf, out = runner._codec_buffers(1, f)
         slots.fill_(1)
         codes_buf.copy_(codes)
-        runner.graphs.graphs[("codec", 1, f)].replay()
+        runner.codec_graphs.graphs[("codec", 1, f)].replay()
         torch.cuda.synchronize()
     torch.testing.assert_close(out, eager)
     assert int(codec.positions[1]) == f  # the graph advanced the twin slot's state
@@ -111,7 +111,10 @@ def test_codec_graph_equals_eager_on_a_twin_slot(runner):
 def test_graph_bank_is_populated_largest_first(runner):
     keys = runner.graph_keys()
     decode = [k for k in keys if k[0] == "decode"]
-    assert decode[0][1] == max(runner.batches) and len(runner.graphs) == len(keys)
+    assert decode[0][1] == max(runner.batches)
+    assert len(runner.graphs) + len(runner.codec_graphs) == len(keys)
+    # the codec replays on its own stream, concurrently: it must not share the talker's pool
+    assert runner.codec_graphs._pool is not None and runner.codec_graphs._pool != runner.graphs._pool
 
 
 def test_row_sampling_defaults_force_nothing():
