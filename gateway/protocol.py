@@ -640,6 +640,14 @@ class SessionProtocol:
 
     def _error(self, code: ErrorCode, message: str, utterance_id: str | None = None) -> SendControl:
         error: ErrorMessage = {"type": "error", "code": code, "message": message}
-        if utterance_id is not None:
+        if utterance_id is not None and _is_utf8(utterance_id):  # a lone surrogate cannot go on the wire
             error["utterance_id"] = utterance_id
         return SendControl(error)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

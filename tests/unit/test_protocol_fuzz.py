@@ -120,7 +120,7 @@ class Harness:
             assert not self.closed, f"{action} after Close"
             if isinstance(action, SendControl):
                 message = action.message
-                encode(message)
+                encode(message).encode("utf-8")  # what the socket will do with it
                 if message["type"] == "utterance.interrupted":
                     utt = self.p.utterance(message["utterance_id"])
                     assert utt is not None
