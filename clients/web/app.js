@@ -14,6 +14,7 @@ const state = {
   underruns: 0, buffered: 0, packets: 0,
   stopWaiters: new Map(), nextStop: 1,
   log: [], // events for tests: {t, kind, ...}
+  mic: { thresholdDbfs: -35, attackMs: 100 }, // microphone barge-in: this loud for this long
 };
 
 function note(kind, fields = {}) { state.log.push({ t: performance.now(), kind, ...fields }); }
@@ -248,7 +249,7 @@ function showInterrupt(msg) {
 function setStatus(kind, text) { $("status").dataset.state = kind; $("status").textContent = text; }
 function setIdle() { $("barge").disabled = true; }
 
-// -- microphone barge-in: RMS energy above a threshold for 100 ms --------------------------------
+// -- microphone barge-in: RMS energy above a threshold for a while (state.mic) ---------------------
 let micTimer = null;
 async function toggleMic(on) {
   if (!on) { clearInterval(micTimer); micTimer = null; return; }
@@ -262,8 +263,8 @@ async function toggleMic(on) {
   micTimer = setInterval(() => {
     analyser.getFloatTimeDomainData(data);
     const rms = Math.sqrt(data.reduce((s, x) => s + x * x, 0) / data.length);
-    loudMs = 20 * Math.log10(rms + 1e-9) > -35 ? loudMs + 20 : 0;
-    if (loudMs >= 100 && state.current && !state.current.finished && !state.current.interrupted) bargeIn("microphone");
+    loudMs = 20 * Math.log10(rms + 1e-9) > state.mic.thresholdDbfs ? loudMs + 20 : 0;
+    if (loudMs >= state.mic.attackMs && state.current && !state.current.finished && !state.current.interrupted) bargeIn("microphone");
   }, 20);
 }
 

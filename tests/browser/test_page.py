@@ -84,3 +84,20 @@ def test_stream_like_an_llm_sends_tokens_and_plays(page: Any, espeak_gateway: Ru
     assert all(len(piece) <= 4 for piece in appends)
     log = page.evaluate("cadence.state.current.highlightLog.map(e => e.index)")
     assert log == list(range(len(SENTENCE.split())))
+
+
+def test_microphone_energy_barges_in(page: Any, espeak_gateway: RunningGateway) -> None:
+    # Chromium's fake capture device beeps: loud enough to count as the listener speaking
+    page.goto(f"{espeak_gateway.http}/")
+    page.wait_for_function("window.cadence !== undefined")
+    page.select_option("#language", "English")
+    page.fill("#text", LONG)
+    page.evaluate("cadence.state.mic.attackMs = 60")  # the beeps are short
+    page.check("#mic-barge")
+    page.click("#speak")
+    page.wait_for_function("cadence.state.current && cadence.state.current.interruptReport !== null",
+                           timeout=20_000)
+    cut = page.evaluate("cadence.state.current.interrupted")
+    report = page.evaluate("cadence.state.current.interruptReport")
+    assert cut["reason"] == "microphone"
+    assert report["played_ms"] == cut["playedMs"] and report["position_source"] == "client"
