@@ -74,22 +74,31 @@ class Gateway:
             await websocket.close(CLOSE_GOING_AWAY, "server shutting down")
             return
         principal: Principal = websocket.scope.get("state", {}).get("principal", ANONYMOUS)
+        quotas = self.quotas_for(principal)
         try:
-            self.quotas.open_session(principal.key_id)
+            if quotas is not None:
+                quotas.open_session(principal.key_id)
         except QuotaError as exc:
             await websocket.send_text(encode({"type": "error", "code": exc.code, "message": exc.message}))
             await websocket.close(CLOSE_POLICY, exc.message[:120])
             return
         session = WebhookSession(
             websocket, self.engine, self.config, self.metrics, webhooks=self.webhooks,
-            key_id=principal.key_id, allowed_voices=principal.voices, quotas=self.quotas,
+            key_id=principal.key_id, allowed_voices=principal.voices, quotas=quotas,
         )
         self.sessions.add(session)
         try:
             await session.run()
         finally:
             self.sessions.discard(session)
-            self.quotas.close_session(principal.key_id)
+            if quotas is not None:
+                quotas.close_session(principal.key_id)
+
+    def quotas_for(self, principal: Principal) -> Quotas | None:
+        """The per-key limits, unless the caller is the anonymous local user (config.quota_anonymous)."""
+        if principal.key_id == ANONYMOUS.key_id and not self.config.quota_anonymous:
+            return None
+        return self.quotas
 
     async def supervise_engine(self, period_s: float = 1.0) -> None:
         """Restart an engine that stops being ready (its worker died) while the gateway serves;
@@ -164,7 +173,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
     voices_collection, voices_item = make_voice_endpoints(gateway.voices)
     routes = [
         WebSocketRoute("/v1/stream", gateway.stream),
-        Route("/v1/audio/speech", make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas), methods=["POST"]),
+        Route("/v1/audio/speech", make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas_for), methods=["POST"]),
         Route("/v1/tokens", make_token_endpoint(gateway.auth), methods=["POST"]),
         Route("/v1/voices", voices_collection, methods=["GET", "POST"]),
         Route("/v1/voices/{voice_id}", voices_item, methods=["GET", "DELETE"]),

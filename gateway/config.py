@@ -59,6 +59,9 @@ class GatewayConfig:
     allowed_origins: tuple[str, ...] = ()
     # per-key limits: open sessions, utterances in progress, characters per minute
     quota_limits: QuotaLimits = field(default_factory=QuotaLimits)
+    # whether the per-key limits also bind the anonymous principal (no keys configured: one local
+    # user, whom the engine's own admission control limits)
+    quota_anonymous: bool = False
 
     def __post_init__(self) -> None:
         positive = {

@@ -180,7 +180,8 @@ class _QuotaHold:
 
 
 def make_speech_endpoint(
-    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics, quotas: Quotas | None = None
+    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics,
+    quotas_for: Callable[[Principal], Quotas | None] = lambda principal: None,
 ) -> Callable[[Request], Awaitable[Response]]:
     def fail(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.errors.labels(code).inc()
@@ -201,7 +202,7 @@ def make_speech_endpoint(
         principal: Principal = getattr(request.state, "principal", ANONYMOUS)
         if not principal.may_use_voice(req.voice):
             return fail(403, "unauthorized", f"this token may not use voice {req.voice!r}")
-        hold = _QuotaHold(quotas, principal.key_id)
+        hold = _QuotaHold(quotas_for(principal), principal.key_id)
         try:
             hold.take(len(req.input))
         except QuotaError as exc:

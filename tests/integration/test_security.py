@@ -97,7 +97,8 @@ async def test_browser_tokens_and_origins(gateway_factory: GatewayFactory, keys)
 
 
 async def test_quotas_over_the_wire(gateway_factory: GatewayFactory) -> None:
-    config = GatewayConfig(quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=50))
+    config = GatewayConfig(quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=50),
+                           quota_anonymous=True)
     gw = gateway_factory(FakeEngine(step_s=0.01), config)
     async with connect(gw.ws) as ws:
         code, reason = await _close_code(gw.ws)  # a second session of the same (anonymous) key
