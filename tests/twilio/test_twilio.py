@@ -175,3 +175,26 @@ def test_options_from_stream_parameters() -> None:
                                                "barge_in_on_speech": "false", "vad_attack_ms": "x"})
     assert options.vad_threshold_dbfs == -50.0 and options.vad_hang_ms == 250
     assert options.barge_in_on_speech is False and options.vad_attack_ms == TwilioOptions().vad_attack_ms
+
+
+async def test_text_before_the_call_and_utterances_in_order(espeak_gateway: RunningGateway) -> None:
+    async with agent_for(espeak_gateway, "CA-queue") as agent:
+        await agent.send(type="session.start", language="English")
+        await agent.say("u1", "First things first.")  # before Twilio's stream starts
+        await agent.until("utterance.started", utterance_id="u1")
+        async with TwilioSimulator(twilio_url(espeak_gateway), call_sid="CA-queue") as sim:
+            await agent.until("call.started")
+            await agent.say("u2", "Then the second.")
+            await agent.send(type="speak.append", utterance_id="u3", text="Never mind this")  # held: no audio
+            await agent.send(type="speak.cancel", utterance_id="u3")  # not on the line: no clear
+            cancelled = await agent.until("utterance.interrupted", utterance_id="u3")
+            await agent.until("utterance.played", utterance_id="u2")
+    assert cancelled["played_ms"] == 0 and cancelled["last_word"] is None and not sim.log.clears
+    names = sim.log.played_marks()
+    assert names == [n for _, n in sim.log.marks_in]
+    first = [n for n in names if n.startswith("u1/")]
+    second = [n for n in names if n.startswith("u2/")]
+    assert names == first + second and first[-1] == "u1/end" and second[-1] == "u2/end"
+    assert not [n for n in names if n.startswith("u3/")]
+    played = [m["utterance_id"] for m in agent.of_type("utterance.played")]
+    assert played == ["u1", "u2"]
