@@ -58,6 +58,7 @@ class Tally:
         self.packets = 0
         self.audio_s = 0.0
         self.errors: Counter[str] = Counter()
+        self.refused = 0  # `overloaded`: retried after Retry-After, as a client should
         self.ttfa: list[float] = []
 
 
@@ -76,6 +77,9 @@ async def session(url: str, index: int, stop_at: float, tally: Tally, rng: rando
                                           "text": rng.choice(SENTENCES)}))
                 await ws.send(json.dumps({"type": "speak.end", "utterance_id": uid}))
                 duration = await _read_utterance(ws, uid, sent, cut, tally)
+                if duration == -1:  # refused (overloaded): back off, then a new utterance
+                    await asyncio.sleep(rng.uniform(0.5, 1.5))
+                    continue
                 if duration is None:
                     return
                 await asyncio.sleep(duration / 1000 + rng.uniform(0.5, 2.0))
@@ -109,6 +113,9 @@ async def _read_utterance(ws: Any, uid: str, sent: float, cut: bool, tally: Tall
         message = json.loads(frame)
         kind = message["type"]
         if kind == "error":
+            if message["code"] == "overloaded":
+                tally.refused += 1
+                return -1
             tally.errors[message["code"]] += 1
             return None
         if kind == "utterance.done" and message["utterance_id"] == uid:
@@ -152,6 +159,7 @@ async def run(url: str, sessions: int, seconds: float, seed: int) -> dict[str, A
         "packets": tally.packets,
         "errors": sum(tally.errors.values()),
         "errors_by_kind": dict(tally.errors),
+        "refused_overloaded_then_retried": tally.refused,
         "ttfa_ms": {"p50": round(ttfa[len(ttfa) // 2] * 1000, 1) if ttfa else None,
                     "p99": round(ttfa[int(len(ttfa) * 0.99)] * 1000, 1) if ttfa else None},
         "server": {"idle": idle, f"warm_{warm_at:.0f}s": warm, "end": end, "after_clients_left": after},
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("deploy/bench/soak.json"))
     args = parser.parse_args(argv)
     record = run_record(argv)
-    with gateway_process("espeak") as url:
+    # the engine admits every session's utterance (its default, 256 + 64 queued, refuses the rest)
+    with gateway_process("espeak", max_streams=args.sessions, queue_limit=args.sessions) as url:
         record.update(asyncio.run(run(url, args.sessions, args.minutes * 60, args.seed)))
     print(json.dumps(record, indent=1))
     write_json(args.out, record)
