@@ -1,7 +1,7 @@
 """The GPU owner: turns a StepPlan into sampled frames and audio.
 
 Per step:
-  Code2Wav chunks      on their own CUDA stream (codes come from the host), overlapping the talker
+  Code2Wav chunks      after sampling on the same stream (or, with codec_overlap, on their own stream)
   talker decode rows   one CUDA graph per (batch bucket, attention-length bucket)
   talker prefill       chunks padded into one eager batch (positions beyond a row's chunk go to the
                        cache's scratch cell)
@@ -75,6 +75,10 @@ class RunnerConfig:
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
     max_codec_batch: int = 64
     enforce_eager: bool = False
+    # run Code2Wav on its own CUDA stream, overlapping the talker. Off by default: on torch 2.11 /
+    # H200, replaying the codec graphs concurrently with the talker's hung (or, sharing one pool,
+    # tripped an index assert) at batch 64; on one stream the codec is launched after sampling
+    codec_overlap: bool = False
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -130,7 +134,7 @@ class Runner:
         self.codec_batches = batch_buckets(config.max_codec_batch)
         self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
-        self.codec_stream = torch.cuda.Stream(dev) if cuda else None
+        self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
         self.batches = batch_buckets(mb)
         self.kv_buckets = sorted({k for k in config.kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
         self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
@@ -167,7 +171,8 @@ class Runner:
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepOutput:
-        collect_audio = self._launch_codec(plan.codec, plan.codec_resets)
+        overlap = self.codec_stream is not None
+        collect_audio = self._launch_codec(plan.codec, plan.codec_resets) if overlap else None
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         if plan.decode:
@@ -184,6 +189,8 @@ class Runner:
         codes: list[list[int]] = []
         if meta:
             codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
+        if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling
+            collect_audio = self._launch_codec(plan.codec, plan.codec_resets)
         return StepOutput(codes=codes, audio=collect_audio())
 
     # -- talker decode -------------------------------------------------------------------------

@@ -191,7 +191,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--watchdog", type=float, default=90.0,
+                    help="print every thread's stack if a phase takes longer than this (s)")
     args = ap.parse_args()
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
     max_batch = max(args.batches)
