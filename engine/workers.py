@@ -1,0 +1,441 @@
+"""One engine per worker process (one per GPU), behind the ordinary Engine contract.
+
+`WorkerPoolEngine` starts N processes (spawn), each building its own engine from a picklable
+factory (with its own environment, e.g. CUDA_VISIBLE_DEVICES=i), and routes every new request to
+the least-loaded live worker. The pipe carries only what the contract carries: requests, text
+segments, close/cancel, and audio chunks back; the engine's steps stay inside the worker.
+
+A worker that dies fails only the requests it held (their iteration raises EngineError); the pool
+starts a replacement, registers the known voices with it, and keeps serving on the others
+meanwhile (load().ready stays true while any worker lives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.api import (
+    AudioChunk,
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    InvalidAudio,
+    InvalidRequest,
+    Overloaded,
+    SynthesisRequest,
+    TextSegment,
+    UnknownVoice,
+)
+from engine.bridge import ChunkChannel
+
+log = logging.getLogger("cadence.workers")
+
+LOAD_PERIOD_S = 0.2  # how often a worker reports its EngineLoad
+_ERRORS: dict[str, type[EngineError]] = {
+    "overloaded": Overloaded, "unknown_voice": UnknownVoice, "invalid_request": InvalidRequest,
+    "invalid_audio": InvalidAudio,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """How to build one worker's engine: a picklable factory and environment set before it runs."""
+
+    factory: Callable[[], Engine]
+    env: dict[str, str] = field(default_factory=dict)
+    name: str = "worker"
+
+
+def error_to_wire(exc: BaseException) -> tuple[str, str, float]:
+    return getattr(exc, "code", "internal"), str(exc), float(getattr(exc, "retry_after_s", 1.0))
+
+
+def error_from_wire(code: str, message: str, retry_after_s: float) -> EngineError:
+    if code == "overloaded":
+        return Overloaded(message, retry_after_s)
+    return _ERRORS.get(code, EngineError)(message)
+
+
+# -- the worker process -------------------------------------------------------------------------
+def worker_main(conn: Connection, spec: WorkerSpec) -> None:
+    """Entry point of a worker process."""
+    os.environ.update(spec.env)
+    asyncio.run(_WorkerLoop(conn, spec).run())
+
+
+class _WorkerLoop:
+    def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.streams: dict[int, Any] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopped = asyncio.Event()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = self.spec.factory()
+        await self.engine.start()
+        self.send("ready", self.engine.info)
+        threading.Thread(target=self._read, args=(loop,), daemon=True).start()
+        reporter = asyncio.create_task(self._report_load())
+        await self.stopped.wait()
+        reporter.cancel()
+        await self.engine.stop()
+        with contextlib.suppress(OSError):
+            self.send("stopped")
+
+    def send(self, *message: object) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # the parent went away: nothing left to serve
+            os._exit(0)
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                os._exit(0)  # parent gone
+            loop.call_soon_threadsafe(self._handle, message)
+
+    async def _report_load(self) -> None:
+        while True:
+            self.send("load", self.engine.load())
+            await asyncio.sleep(LOAD_PERIOD_S)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        op, *args = message
+        if op == "open":
+            rid, request = args
+            try:
+                stream = self.engine.open(request)
+            except Exception as exc:
+                self.send("fail", rid, *error_to_wire(exc))
+                return
+            self.streams[rid] = stream
+            self._spawn(self._pump(rid, stream))
+        elif op in ("push", "close_text", "cancel"):
+            stream = self.streams.get(args[0])
+            if stream is None:
+                return
+            try:
+                if op == "push":
+                    stream.push(args[1])
+                elif op == "close_text":
+                    stream.close_text()
+                else:
+                    stream.cancel()
+            except Exception as exc:
+                self.send("fail", args[0], *error_to_wire(exc))
+        elif op == "voice":
+            self._spawn(self._register(*args))
+        elif op == "stop":
+            self.stopped.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _pump(self, rid: int, stream: Any) -> None:
+        try:
+            async for chunk in stream:
+                self.send("chunk", rid, chunk)
+            self.send("end", rid)
+        except Exception as exc:
+            self.send("fail", rid, *error_to_wire(exc))
+        finally:
+            self.streams.pop(rid, None)
+
+    async def _register(self, call_id: int, voice_id: str, audio: Any, rate: int, text: str | None) -> None:
+        try:
+            await self.engine.register_voice(voice_id, audio, rate, text)
+            self.send("reply", call_id, None)
+        except Exception as exc:
+            self.send("reply", call_id, error_to_wire(exc))
+
+
+# -- the gateway side ---------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    process: Any
+    conn: Connection
+    generation: int
+    alive: bool = False
+    load: EngineLoad | None = None
+    in_flight: set[int] = field(default_factory=set)
+    calls: set[int] = field(default_factory=set)  # register_voice calls awaiting its reply
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, *message: object) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+
+class WorkerStream:
+    def __init__(self, pool: WorkerPoolEngine, worker: _Worker, rid: int, request_id: str) -> None:
+        self.pool = pool
+        self.worker = worker
+        self.rid = rid
+        self.request_id = request_id
+        self.channel = ChunkChannel()
+
+    def push(self, segment: TextSegment) -> None:
+        self._send("push", self.rid, segment)
+
+    def close_text(self) -> None:
+        self._send("close_text", self.rid)
+
+    def cancel(self) -> None:
+        self._send("cancel", self.rid)
+        self.channel.close()
+        self.pool._forget(self.worker, self.rid)
+
+    def _send(self, *message: object) -> None:
+        if not self.worker.alive:
+            return  # its failure is already queued on the channel
+        with contextlib.suppress(OSError, ValueError):
+            self.worker.send(*message)
+
+    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        try:
+            async for chunk in self.channel:
+                yield chunk
+        finally:
+            self.pool._forget(self.worker, self.rid)
+
+
+class WorkerPoolEngine:
+    """An Engine that runs one engine per worker process and routes requests to the least loaded."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], *, start_timeout_s: float = 600.0,
+                 restart: bool = True) -> None:
+        if not specs:
+            raise ValueError("a worker pool needs at least one worker")
+        self.specs = list(specs)
+        self.start_timeout_s = start_timeout_s
+        self.restart = restart
+        self.info = EngineInfo(name="workers", model="", sample_rate=24_000)
+        self.workers: list[_Worker | None] = [None] * len(self.specs)
+        self.restarts = 0
+        self._context = mp.get_context("spawn")
+        self._rids = itertools.count(1)
+        self._calls = itertools.count(1)
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._channels: dict[int, ChunkChannel] = {}
+        self._voices: dict[str, tuple[npt.NDArray[np.float32], int, str | None]] = {}
+        self._ready: dict[int, asyncio.Future[EngineInfo]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._generations = itertools.count(1)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        infos = await asyncio.gather(*(self._start_worker(i) for i in range(len(self.specs))))
+        self.info = infos[0]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for worker in self.workers:
+            if worker is not None and worker.alive:
+                with contextlib.suppress(OSError, ValueError):
+                    worker.send("stop")
+        for worker in self.workers:
+            if worker is None:
+                continue
+            await asyncio.to_thread(worker.process.join, 10.0)
+            if worker.process.is_alive():
+                worker.process.kill()
+            self._worker_gone(worker, "engine stopped")
+        self.workers = [None] * len(self.specs)
+
+    async def _start_worker(self, index: int) -> EngineInfo:
+        assert self._loop is not None
+        parent, child = self._context.Pipe(duplex=True)
+        process = self._context.Process(target=worker_main, args=(child, self.specs[index]),
+                                        name=f"cadence-{self.specs[index].name}", daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(index, process, parent, next(self._generations))
+        self.workers[index] = worker
+        ready: asyncio.Future[EngineInfo] = self._loop.create_future()
+        self._ready[worker.generation] = ready
+        threading.Thread(target=self._read, args=(worker,), daemon=True, name=f"cadence-read-{index}").start()
+        try:
+            info = await asyncio.wait_for(ready, self.start_timeout_s)
+        finally:
+            self._ready.pop(worker.generation, None)
+        for voice_id, (audio, rate, text) in list(self._voices.items()):
+            with contextlib.suppress(EngineError):
+                await self._call(worker, "voice", voice_id, audio, rate, text)
+        worker.alive = True
+        log.info("engine worker %d (pid %s) ready: %s", index, process.pid, info.name)
+        return info
+
+    # -- the pipe's reader thread -------------------------------------------------------------
+    def _read(self, worker: _Worker) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # a message that cannot be unpickled: treat the worker as broken
+                log.exception("bad message from engine worker %d", worker.index)
+                break
+            self._loop.call_soon_threadsafe(self._on_message, worker, message)
+        with contextlib.suppress(RuntimeError):  # the loop may be closed at exit
+            self._loop.call_soon_threadsafe(self._on_exit, worker)
+
+    def _on_message(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        op, *args = message
+        if op == "chunk":
+            channel = self._channels.get(args[0])
+            if channel is not None:
+                channel.put(args[1])
+                if args[1].final:
+                    self._forget(worker, args[0])
+        elif op == "end":
+            channel = self._channels.get(args[0])
+            if channel is not None:
+                channel.finish()
+            self._forget(worker, args[0])
+        elif op == "fail":
+            channel = self._channels.get(args[0])
+            if channel is not None:
+                channel.fail(error_from_wire(*args[1:]))
+            self._forget(worker, args[0])
+        elif op == "load":
+            worker.load = args[0]
+        elif op == "reply":
+            future = self._replies.pop(args[0], None)
+            if future is not None and not future.done():
+                future.set_result(args[1])
+        elif op == "ready":
+            future = self._ready.get(worker.generation)
+            if future is not None and not future.done():
+                future.set_result(args[0])
+
+    def _on_exit(self, worker: _Worker) -> None:
+        ready = self._ready.get(worker.generation)
+        if ready is not None and not ready.done():
+            ready.set_exception(EngineError(f"engine worker {worker.index} exited while starting"))
+        was_alive = worker.alive
+        self._worker_gone(worker, f"engine worker {worker.index} died")
+        if was_alive and not self._stopping and self.restart and self.workers[worker.index] is worker:
+            log.error("engine worker %d died; starting a new one", worker.index)
+            self.restarts += 1
+            assert self._loop is not None
+            self._loop.create_task(self._restart(worker.index))
+
+    async def _restart(self, index: int) -> None:
+        try:
+            await self._start_worker(index)
+        except Exception:
+            log.exception("engine worker %d could not be restarted", index)
+
+    def _worker_gone(self, worker: _Worker, why: str) -> None:
+        """Fail exactly the requests this worker held."""
+        worker.alive = False
+        for rid in list(worker.in_flight):
+            channel = self._channels.pop(rid, None)
+            if channel is not None:
+                channel.fail(EngineError(why))
+        worker.in_flight.clear()
+        for call_id in list(worker.calls):
+            future = self._replies.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_result(("internal", why, 1.0))
+        worker.calls.clear()
+
+    # -- the contract -------------------------------------------------------------------------
+    def live_workers(self) -> list[_Worker]:
+        return [w for w in self.workers if w is not None and w.alive]
+
+    def load(self) -> EngineLoad:
+        live = self.live_workers()
+        loads = [w.load for w in live if w.load is not None]
+        return EngineLoad(
+            active=sum(x.active for x in loads), queued=sum(x.queued for x in loads),
+            capacity=sum(x.capacity for x in loads), queue_limit=sum(x.queue_limit for x in loads),
+            ready=bool(live) and all(x.ready for x in loads),
+            extra={"workers_alive": float(len(live)), "workers": float(len(self.specs)),
+                   "worker_restarts": float(self.restarts)},
+        )
+
+    def _pick(self) -> _Worker:
+        """The live worker with the fewest requests in flight for its size (ties: lowest index)."""
+        best: tuple[float, int] | None = None
+        chosen: _Worker | None = None
+        for worker in self.live_workers():
+            size = worker.load.capacity + worker.load.queue_limit if worker.load else 0
+            if size and len(worker.in_flight) >= size:
+                continue
+            score = (len(worker.in_flight) / max(size, 1), worker.index)
+            if best is None or score < best:
+                best, chosen = score, worker
+        if chosen is None:
+            raise Overloaded("every engine worker is busy or restarting", retry_after_s=1.0)
+        return chosen
+
+    def open(self, request: SynthesisRequest) -> WorkerStream:
+        voice = request.voice
+        if voice is not None and voice not in self.info.voices and voice not in self._voices:
+            raise UnknownVoice(f"unknown voice {voice!r}")
+        worker = self._pick()
+        rid = next(self._rids)
+        stream = WorkerStream(self, worker, rid, request.request_id)
+        self._channels[rid] = stream.channel
+        worker.in_flight.add(rid)
+        try:
+            worker.send("open", rid, request)
+        except (OSError, ValueError) as exc:
+            self._forget(worker, rid)
+            raise Overloaded(f"engine worker {worker.index} unreachable: {exc}") from None
+        return stream
+
+    def _forget(self, worker: _Worker, rid: int) -> None:
+        worker.in_flight.discard(rid)
+        self._channels.pop(rid, None)
+
+    async def register_voice(
+        self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
+    ) -> None:
+        """Registered on every live worker (and on each one started later); the first refusal wins."""
+        live = self.live_workers()
+        if not live:
+            raise Overloaded("no engine worker is running")
+        await asyncio.gather(*(self._call(w, "voice", voice_id, audio, sample_rate, text) for w in live))
+        self._voices[voice_id] = (audio, sample_rate, text)
+
+    async def _call(self, worker: _Worker, op: str, *args: object) -> None:
+        assert self._loop is not None
+        call_id = next(self._calls)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._replies[call_id] = future
+        worker.calls.add(call_id)
+        try:
+            worker.send(op, call_id, *args)
+            error = await asyncio.wait_for(future, 120.0)
+        finally:
+            self._replies.pop(call_id, None)
+            worker.calls.discard(call_id)
+        if error is not None:
+            raise error_from_wire(*error)
