@@ -240,8 +240,9 @@ class AlignedEngine:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
         self.inner = inner
         self.default_mode: AlignmentMode = default_mode
-        self._aligner_factory = None if isinstance(aligner, Aligner) else aligner
-        self._worker = AlignerWorker(aligner, max_batch) if isinstance(aligner, Aligner) else None
+        ready = isinstance(aligner, Aligner) and not isinstance(aligner, type)
+        self._aligner_factory = None if ready else aligner
+        self._worker = AlignerWorker(aligner, max_batch) if ready else None  # type: ignore[arg-type]
         self.max_batch = max_batch
         self._sync_delays: deque[float] = deque(maxlen=1000)
 
