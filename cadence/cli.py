@@ -33,6 +33,18 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--voices-dir", default=_env("voices_dir", None), help="where registered voices are kept")
     p.add_argument("--insecure", action="store_true", default=_env("insecure", "0") == "1",
                    help="serve a non-loopback host without API keys")
+    p.add_argument("--gpus", default=_env("gpus", None),
+                   help="'all' or N: one engine worker process per GPU behind this gateway")
+    p.add_argument("--redis", default=_env("redis", None),
+                   help="redis://HOST:PORT/DB: share voices, quotas and control with other replicas")
+    p.add_argument("--replica-id", default=_env("replica_id", None),
+                   help="this replica's name in Redis (default: host:port)")
+    p.add_argument("--quota-sessions", type=int, default=int(_env("quota_sessions", "100") or 100),
+                   help="open WebSocket sessions per API key (across replicas with --redis)")
+    p.add_argument("--quota-utterances", type=int, default=int(_env("quota_utterances", "64") or 64),
+                   help="utterances in progress per API key")
+    p.add_argument("--quota-chars-per-minute", type=int,
+                   default=int(_env("quota_chars_per_minute", "100000") or 100000))
     p.add_argument("--log-level", default=_env("log_level", "info"))
     return p
 
@@ -40,17 +52,20 @@ def _serve_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
     from gateway.config import GatewayConfig
+    from gateway.quotas import QuotaLimits
     from gateway.server import serve
 
     from cadence.engines import build_engine
 
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
-        dtype=args.dtype, eager=args.eager, max_streams=args.max_streams,
+        dtype=args.dtype, eager=args.eager, max_streams=args.max_streams, gpus=args.gpus,
     ))
     config = GatewayConfig(
         api_keys_file=args.api_keys_file, voices_dir=args.voices_dir,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        quota_limits=QuotaLimits(args.quota_sessions, args.quota_utterances, args.quota_chars_per_minute),
+        redis_url=args.redis, replica_id=args.replica_id or f"{args.host}:{args.port}",
     )
     serve(engine, host=args.host, port=args.port, config=config, log_level=args.log_level, insecure=args.insecure)
     return 0

@@ -3,6 +3,7 @@ dependencies (the eSpeak engine needs no torch)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine.api import Engine
@@ -19,9 +20,49 @@ class EngineOptions:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
     eager: bool = False  # no CUDA graphs
     max_streams: int = 256  # concurrent streams the engine admits
+    gpus: str | None = None  # "all" or N: one engine worker process per GPU (engine.workers)
+
+
+def gpu_count(gpus: str) -> int:
+    """`--gpus all` -> the visible CUDA devices; `--gpus N` -> N."""
+    if gpus != "all":
+        count = int(gpus)
+        if count < 1:
+            raise SystemExit("--gpus must be 'all' or a positive number")
+        return count
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise SystemExit("--gpus all: no CUDA device is visible")
+    return count
+
+
+def build_worker_pool(options: EngineOptions) -> Engine:
+    """One worker process per GPU, each seeing only its own device (CUDA_VISIBLE_DEVICES)."""
+    import functools
+    from dataclasses import replace
+
+    from engine.workers import WorkerPoolEngine, WorkerSpec
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else None
+    device = options.device if options.device in ("auto", "cpu") else "cuda"
+    specs = []
+    for i in range(gpu_count(options.gpus or "1")):
+        single = replace(options, gpus=None, device=device)
+        gpu = ids[i] if ids and i < len(ids) else str(i)
+        specs.append(WorkerSpec(functools.partial(build_engine, single), {"CUDA_VISIBLE_DEVICES": gpu}, f"gpu{gpu}"))
+    return WorkerPoolEngine(specs)
 
 
 def build_engine(options: EngineOptions) -> Engine:
+    if options.gpus:
+        return build_worker_pool(options)
+    if options.aligner:
+        from dataclasses import replace
+
+        return with_aligner(build_engine(replace(options, aligner=None)), options)
     if options.name == "espeak":
         from engine.espeak import EspeakEngine
 
@@ -49,3 +90,20 @@ def build_engine(options: EngineOptions) -> Engine:
         )
         return Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
     raise SystemExit(f"unknown engine {options.name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def with_aligner(engine: Engine, options: EngineOptions) -> Engine:
+    """Words from the Qwen3 forced aligner in `options.aligner` (loaded in start(), off the loop)."""
+    from engine.aligned import AlignedEngine
+
+    def load_aligner() -> object:
+        import torch
+
+        from aligner.qwen3 import Qwen3ForcedAligner
+
+        device = options.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return Qwen3ForcedAligner.from_directory(options.aligner or "", device)
+
+    return AlignedEngine(engine, load_aligner)  # type: ignore[arg-type]

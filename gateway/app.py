@@ -152,11 +152,18 @@ class Gateway:
 def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authenticator | None = None) -> Starlette:
     gateway = Gateway(engine, config or GatewayConfig(), auth)
     twilio = TwilioGateway(engine, gateway.config, gateway.webhooks)
+    cluster = None
+    if gateway.config.redis_url:  # replicas sharing voices, quotas and control (gateway.redis_state)
+        from gateway.redis_state import Cluster
+
+        cluster = Cluster(gateway, gateway.config.redis_url, gateway.config.replica_id)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         await gateway.voices.load_saved()
+        if cluster is not None:
+            await cluster.start()
         gateway.ready = True
         log.info("engine %s (%s) ready", engine.info.name, engine.info.model)
         supervisor = asyncio.create_task(gateway.supervise_engine())
@@ -169,6 +176,8 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
             await twilio.close()
             await engine.stop()
             await gateway.webhooks.close()
+            if cluster is not None:
+                await cluster.stop()
 
     voices_collection, voices_item = make_voice_endpoints(gateway.voices)
     routes = [
@@ -181,6 +190,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
         Route("/readyz", gateway.readyz),
         Route("/metrics", gateway.metrics_page),
         Route("/", gateway.index),
+        *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]

@@ -62,6 +62,10 @@ class GatewayConfig:
     # whether the per-key limits also bind the anonymous principal (no keys configured: one local
     # user, whom the engine's own admission control limits)
     quota_anonymous: bool = False
+    # several replicas: Redis shares voices, quotas, the live-utterance directory and control
+    # (gateway.redis_state); None = everything stays in this process
+    redis_url: str | None = None
+    replica_id: str = "local"  # this replica's name in Redis (unique per replica)
 
     def __post_init__(self) -> None:
         positive = {

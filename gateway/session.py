@@ -182,6 +182,11 @@ class Session:
     def queued_bytes(self) -> int:
         return self.queue.queued_bytes()
 
+    def inject(self, text: str) -> None:
+        """A client message that arrived another way (cross-replica control): handled as if read
+        from this session's socket."""
+        self._execute(self.protocol.receive_text(text, self._loop.time()))
+
     # -- ticker -------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
         """Protocol timeouts and the slow-client watchdog, once a second; returns to end the session."""
@@ -342,6 +347,9 @@ class Session:
             if not isinstance(exc, EngineError):
                 log.exception("engine.open failed")
             return self.protocol.open_failed(action.utterance_id, exc)
+        set_alignment = getattr(stream, "set_word_alignment", None)  # an engine with a forced aligner
+        if set_alignment is not None:
+            set_alignment(self.protocol.word_alignment)
         self._streams[action.utterance_id] = stream
         self.metrics.utterances.labels("stream").inc()
         self._pulls[action.utterance_id] = asyncio.create_task(self._pull(action.utterance_id, stream))
