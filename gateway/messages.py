@@ -26,6 +26,7 @@ BYTES_PER_SAMPLE: Final[dict[Encoding, int]] = {"pcm_s16le": 2, "pcm_f32le": 4, 
 
 Timestamps = Literal["word", "none"]
 Pacing = Literal["asap", "realtime"]
+Alignment = Literal["sync", "async"]  # with a forced aligner: audio waits for its words, or not
 PositionSource = Literal["client", "report", "server"]
 WordSource = Literal["aligner", "engine", "estimate"]
 
@@ -86,6 +87,7 @@ class SessionStart:
     timestamps: Timestamps = "word"
     pacing: Pacing = "asap"
     webhook_url: str | None = None  # each utterance.interrupted is also POSTed here (signed)
+    alignment: Alignment = "async"
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +397,7 @@ def _session_start(f: _Fields) -> SessionStart:
         timestamps="word" if f.choice("timestamps", ("word", "none"), "word") == "word" else "none",
         pacing="realtime" if f.choice("pacing", ("asap", "realtime"), "asap") == "realtime" else "asap",
         webhook_url=_webhook_url(f),
+        alignment="sync" if f.choice("alignment", ("sync", "async"), "async") == "sync" else "async",
     )
 
 

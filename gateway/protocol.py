@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_TOO_BIG, error_code, public_message
 from gateway.languages import languages_open_at, normalise_language
 from gateway.messages import (
+    Alignment,
     ClientMessage,
     ErrorCode,
     ErrorMessage,
@@ -185,6 +186,7 @@ class SessionProtocol:
         self.instructions: str | None = None
         self.timestamps: Timestamps = "word"
         self.pacing: Pacing = "asap"
+        self.alignment: Alignment = "async"
         self.webhook_url: str | None = None  # session.start: where interruptions are POSTed
         self.started = False
         self.ending = False  # session.end received
@@ -199,6 +201,11 @@ class SessionProtocol:
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+    @property
+    def word_alignment(self) -> str:
+        """What an engine with a forced aligner should do: "sync", "async", or "off" (no timestamps)."""
+        return "off" if self.timestamps == "none" else self.alignment
 
     def utterance(self, utterance_id: str) -> Utterance | None:
         return self._active.get(utterance_id) or self._history.get(utterance_id)
@@ -386,6 +393,7 @@ class SessionProtocol:
         self.instructions = message.instructions
         self.timestamps = message.timestamps
         self.pacing = message.pacing
+        self.alignment = message.alignment
         self.webhook_url = message.webhook_url
         return self._ensure_started()
 
