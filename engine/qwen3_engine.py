@@ -111,6 +111,15 @@ class _Voice:
     ref_text: str | None = None
 
 
+def share_frames(total: int, segments: list[TextSegment]) -> list[int]:
+    """Split a forced frame count among segments in proportion to their characters (each >= 1,
+    summing to `total` when total >= len(segments))."""
+    chars = [max(1, len(seg.text.strip())) for seg in segments]
+    spare = max(0, total - len(segments))  # every segment gets one frame, the rest by characters
+    bounds = [round(spare * sum(chars[: i + 1]) / sum(chars)) for i in range(len(chars))]
+    return [1 + b - a for a, b in zip([0, *bounds[:-1]], bounds, strict=True)]
+
+
 class Qwen3Stream:
     def __init__(self, engine: Qwen3Engine, request: SynthesisRequest, voice: _Voice,
                  channel: ChunkChannel) -> None:
@@ -122,17 +131,29 @@ class Qwen3Stream:
         self.pending_words: list[WordTiming] = []
         self.samples_sent = 0
         self._closed = False
+        # a forced length (benchmarks) is the utterance's total: its segments are held until the text
+        # is closed, then the frames are shared among them by characters
+        self._held: list[TextSegment] | None = [] if request.forced_frames is not None else None
 
     def push(self, segment: TextSegment) -> None:
         if self._closed:
             raise InvalidRequest("text already closed")
-        if segment.text.strip():
+        if not segment.text.strip():
+            return
+        if self._held is not None:
+            self._held.append(segment)
+        else:
             self._engine._push(self, segment)
 
     def close_text(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._engine.core.close_text(self.request_id)
+        if self._closed:
+            return
+        self._closed = True
+        if self._held:
+            total = self._request.forced_frames or 0
+            for segment, frames in zip(self._held, share_frames(total, self._held), strict=True):
+                self._engine._push(self, segment, forced_frames=frames)
+        self._engine.core.close_text(self.request_id)
 
     def cancel(self) -> None:
         self._engine.core.abort(self.request_id)
@@ -273,7 +294,7 @@ class Qwen3Engine:
             repetition_penalty=g.repetition_penalty,
             sub_greedy=request.greedy or not g.subtalker_do_sample, sub_temperature=g.subtalker_temperature,
             sub_top_k=g.subtalker_top_k, sub_top_p=g.subtalker_top_p,
-            min_new_tokens=request.forced_frames or g.min_new_tokens,
+            min_new_tokens=g.min_new_tokens,
             end_at=self._max_frames(request),
         )
 
@@ -312,7 +333,7 @@ class Qwen3Engine:
             raise
         return stream
 
-    def _push(self, stream: Qwen3Stream, segment: TextSegment) -> None:
+    def _push(self, stream: Qwen3Stream, segment: TextSegment, forced_frames: int | None = None) -> None:
         req, voice = stream._request, stream._voice
         prompt_req = PromptRequest(
             text=segment.text, language=segment.language or req.language, speaker=voice.speaker,
@@ -326,9 +347,10 @@ class Qwen3Engine:
             raise InvalidRequest(str(exc)) from exc
         payload = SegmentPrompt(
             tokens=tokens, speaker_embedding=voice.speaker_embedding, ref_codes=voice.ref_codes,
-            non_streaming=self.econfig.non_streaming_text,
+            non_streaming=self.econfig.non_streaming_text, forced_frames=forced_frames,
         )
-        seg = Segment(text=segment, prompt_len=0, max_frames=self._max_frames(req), payload=payload)
+        max_frames = forced_frames if forced_frames is not None else self._max_frames(req)
+        seg = Segment(text=segment, prompt_len=0, max_frames=max_frames, payload=payload)
         self.core.add_segment(stream.request_id, seg)
 
     def _prepare(self, segment: Segment) -> None:

@@ -62,6 +62,7 @@ class SegmentPrompt:
     ref_codes: Tensor | None = None
     non_streaming: bool = False
     embeds: PromptEmbeds | None = None
+    forced_frames: int | None = None  # this segment's exact length (EOS masked before, forced at it)
 
 
 @dataclass(slots=True)
@@ -258,7 +259,9 @@ class Runner:
         self.trail[slot, n] = prompt.tts_pad.to(self.dtype)
         self.trail_len[slot] = n
         floats = [s.temperature, s.top_p, s.repetition_penalty, s.sub_temperature, s.sub_top_p]
-        ints = [s.top_k, s.sub_top_k, s.seed & SEED_MASK, s.min_new_tokens, s.end_at]
+        forced = c.payload.forced_frames
+        min_new, end_at = (forced, forced) if forced is not None else (s.min_new_tokens, s.end_at)
+        ints = [s.top_k, s.sub_top_k, s.seed & SEED_MASK, min_new, end_at]
         self.p_float[slot] = torch.tensor(floats, dtype=torch.float32)
         self.p_int[slot] = torch.tensor(ints, dtype=torch.long)
         self.p_bool[slot] = torch.tensor([s.greedy, s.sub_greedy])
