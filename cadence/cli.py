@@ -26,6 +26,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
                    help="no CUDA graphs")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
+    p.add_argument("--upstream", default=_env("upstream", None),
+                   help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)")
+    p.add_argument("--upstream-streams", type=int, default=int(_env("upstream_streams", "8") or 8),
+                   help="concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs")
+    p.add_argument("--upstream-word-timestamps", action="store_true",
+                   default=_env("upstream_word_timestamps", "0") == "1",
+                   help="ask vLLM-Omni for aligned word times (server started with --forced-aligner)")
     p.add_argument("--api-keys-file", default=_env("api_keys_file", None),
                    help="hashed API keys, one per line (python -m gateway.auth new NAME); also CADENCE_API_KEYS")
     p.add_argument("--allowed-origins", default=_env("allowed_origins", ""),
@@ -60,6 +67,8 @@ def serve_main(argv: list[str]) -> int:
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
         dtype=args.dtype, eager=args.eager, max_streams=args.max_streams, gpus=args.gpus,
+        upstream=args.upstream, upstream_streams=args.upstream_streams,
+        upstream_word_timestamps=args.upstream_word_timestamps,
     ))
     config = GatewayConfig(
         api_keys_file=args.api_keys_file, voices_dir=args.voices_dir,

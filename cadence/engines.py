@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.api import Engine
 
-ENGINES = ("espeak", "qwen3", "null")
+ENGINES = ("espeak", "qwen3", "vllm-omni", "null")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,9 @@ class EngineOptions:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
     eager: bool = False  # no CUDA graphs
     max_streams: int = 256  # concurrent streams the engine admits
+    upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
+    upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
+    upstream_word_timestamps: bool = False  # vllm-omni: the server runs --forced-aligner
     gpus: str | None = None  # "all" or N: one engine worker process per GPU (engine.workers)
 
 
@@ -71,6 +74,16 @@ def build_engine(options: EngineOptions) -> Engine:
         from engine.null import NullEngine
 
         return NullEngine()
+    if options.name == "vllm-omni":
+        if not options.upstream:
+            raise SystemExit("--engine vllm-omni needs --upstream URL (a vLLM-Omni server, e.g. http://host:8091)")
+        from engine.vllm_omni import VllmOmniConfig, VllmOmniEngine
+
+        return VllmOmniEngine(VllmOmniConfig(
+            upstream=options.upstream, max_streams=options.upstream_streams,
+            queue_limit=max(0, options.max_streams - options.upstream_streams),
+            word_timestamps=options.upstream_word_timestamps,
+        ))
     if options.name == "qwen3":
         if not options.model:
             raise SystemExit("--engine qwen3 needs --model DIR (a Qwen3-TTS-12Hz checkpoint directory)")
