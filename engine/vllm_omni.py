@@ -197,7 +197,8 @@ class _PcmDecoder:
     def flush(self) -> npt.NDArray[np.float32]:
         if self._resampler is None:
             return np.zeros(0, np.float32)
-        return self._resampler.resample_chunk(np.zeros(0, np.float32), last=True)
+        tail: npt.NDArray[np.float32] = self._resampler.resample_chunk(np.zeros(0, np.float32), last=True)
+        return tail
 
 
 def _is_cjk(ch: str) -> bool:
@@ -314,8 +315,8 @@ class _Health:
 
 def backoff_s(attempt: int, initial: float, largest: float) -> float:
     """Exponential backoff with +-20 % jitter; attempt 1 waits about `initial`."""
-    base = min(largest, initial * 2 ** max(0, attempt - 1))
-    return base * random.uniform(0.8, 1.2)
+    base = min(largest, initial * 2.0 ** max(0, attempt - 1))
+    return float(base * random.uniform(0.8, 1.2))
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -661,6 +662,7 @@ class VllmOmniStream:
     async def _speak(self, segment: TextSegment) -> None:
         """One segment, retried on a fresh connection while none of its audio has been sent."""
         config = self._engine.config
+        last = "no attempt made"
         for attempt in range(config.reconnect_attempts + 1):
             if attempt:
                 self._engine.reconnects += 1
@@ -770,8 +772,8 @@ class VllmOmniStream:
     def _drop_connection(self) -> None:
         """Close the upstream socket now, without waiting for its closing handshake."""
         ws, self._ws = self._ws, None
-        if ws is not None:
-            ws.transport.abort() if ws.transport is not None else None
+        if ws is not None and ws.transport is not None:
+            ws.transport.abort()
 
     async def _close_connection(self) -> None:
         ws, self._ws = self._ws, None
