@@ -58,11 +58,10 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
+    from cadence.engines import build_engine
     from gateway.config import GatewayConfig
     from gateway.quotas import QuotaLimits
     from gateway.server import serve
-
-    from cadence.engines import build_engine
 
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,

@@ -98,8 +98,13 @@ def build_engine(options: EngineOptions) -> Engine:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
         batch = min(512, options.max_streams)
+        if device.startswith("cuda"):  # talker KV: 40% of the card (about 56 MiB per 1.7B stream)
+            kv_budget = int(0.4 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        else:
+            kv_budget = 2 << 30
         config = Qwen3EngineConfig(
-            max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu"
+            max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu",
+            kv_budget_bytes=kv_budget,
         )
         return Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
     raise SystemExit(f"unknown engine {options.name!r}; choose one of {', '.join(ENGINES)}")

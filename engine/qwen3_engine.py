@@ -267,6 +267,9 @@ class Qwen3Engine:
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
         extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
         extra["step_time_ms"] = 1000 * self.scheduler.step_time_s
+        if self.runner.device.type == "cuda":
+            extra["gpu_memory_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.runner.device))
+            extra["gpu_memory_bytes"] = float(torch.cuda.memory_allocated(self.runner.device))
         return EngineLoad(
             active=active, queued=queued, capacity=self.econfig.max_streams,
             queue_limit=self.econfig.queue_limit, ready=self._ready, extra=extra,

@@ -45,12 +45,20 @@ class GatewayMetrics:
         self.session_queue_bytes_max = Gauge("cadence_session_queue_bytes_max", "Bytes queued to send, "
                                              "the fullest session", registry=r)
         self.event_loop_tasks = Gauge("cadence_event_loop_tasks", "asyncio tasks alive", registry=r)
+        self.engine_figure = Gauge("cadence_engine_figure", "Engine-specific load figures (EngineLoad.extra)",
+                                   ["name"], registry=r)
+        self.gpu_memory_peak = Gauge("cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine",
+                                     registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 
     def observe_engine(self, load: EngineLoad) -> None:
         self.engine_active.set(load.active)
         self.engine_queue_depth.set(load.queued)
         self.engine_capacity.set(load.capacity)
+        for name, value in load.extra.items():
+            self.engine_figure.labels(name=name).set(value)
+        if "gpu_memory_peak_bytes" in load.extra:
+            self.gpu_memory_peak.set(load.extra["gpu_memory_peak_bytes"])
 
     def observe_sessions(self, queued_bytes: list[int], tasks: int) -> None:
         self.session_queue_bytes.set(sum(queued_bytes))
