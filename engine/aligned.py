@@ -166,7 +166,7 @@ class AlignedStream:
         """"sync", "async" or "off"; effective when called before the first chunk arrives."""
         if mode not in ALIGNMENT_MODES:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
-        self._tracker.set_mode(mode)  # type: ignore[arg-type]
+        self._tracker.set_mode(mode)
 
     # -- SynthesisStream --------------------------------------------------------------------
     def push(self, segment: TextSegment) -> None:
@@ -240,14 +240,17 @@ class AlignedEngine:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
         self.inner = inner
         self.default_mode: AlignmentMode = default_mode
-        ready = isinstance(aligner, Aligner) and not isinstance(aligner, type)
-        self._aligner_factory = None if ready else aligner
-        self._worker = AlignerWorker(aligner, max_batch) if ready else None  # type: ignore[arg-type]
+        self._aligner_factory: Callable[[], Aligner] | None = None
+        self._worker: AlignerWorker | None = None
+        if isinstance(aligner, Aligner) and not isinstance(aligner, type):
+            self._worker = AlignerWorker(aligner, max_batch)
+        else:
+            self._aligner_factory = aligner
         self.max_batch = max_batch
         self._sync_delays: deque[float] = deque(maxlen=1000)
 
     @property
-    def info(self) -> EngineInfo:  # type: ignore[override]
+    def info(self) -> EngineInfo:
         return self.inner.info
 
     @property

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
+from aligner.api import Aligner
 from engine.aligned import AlignedEngine
 from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment, WordTiming
 from scripts.gpu_aligner_bench import WORDS, build_aligner
@@ -103,7 +104,7 @@ class PacedEngine:
     async def register_voice(self, *args: object) -> None: ...
 
 
-async def one_level(aligner, concurrency: int, args: argparse.Namespace) -> None:
+async def one_level(aligner: Aligner, concurrency: int, args: argparse.Namespace) -> None:
     inner = PacedEngine(args.first_s, args.speed)
     engine = AlignedEngine(inner, aligner, default_mode="sync", max_batch=args.max_batch)
     await engine.start()
