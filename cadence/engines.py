@@ -98,8 +98,8 @@ def build_engine(options: EngineOptions) -> Engine:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
         batch = min(512, options.max_streams)
-        if device.startswith("cuda"):  # talker KV: 40% of the card (about 56 MiB per 1.7B stream)
-            kv_budget = int(0.4 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
+            kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
         else:
             kv_budget = 2 << 30
         config = Qwen3EngineConfig(

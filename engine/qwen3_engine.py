@@ -59,6 +59,9 @@ class Qwen3EngineConfig:
     max_trailing: int = 256
     kv_buckets: tuple[int, ...] = (128, 256)
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
+    # rows per Code2Wav graph: the codec saturates the H200 by 64 rows x 25 frames (about 1 500
+    # audio-s/s in bf16), while graphs of 512 rows would hold tens of GiB of activations
+    max_codec_batch: int = 64
     enforce_eager: bool = False
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
@@ -214,7 +217,7 @@ class Qwen3Engine:
             RunnerConfig(
                 num_slots=layout.num_slots, max_len=ec.max_len, codec_slots=ec.max_streams,
                 max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
-                codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=ec.max_batch,
+                codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
                 enforce_eager=ec.enforce_eager,
             ),
         )

@@ -118,13 +118,11 @@ class Attention(nn.Module):
         v_cache[row, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
         keys = k_cache[slots, :, :kv_len].to(q.dtype)
         values = v_cache[slots, :, :kv_len].to(q.dtype)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
         key_pos = torch.arange(kv_len, device=x.device)
         allowed = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5)
+        # grouped-query attention without materialising repeated keys and values
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
