@@ -39,11 +39,13 @@ from engine.models.config import GenerationDefaults, Qwen3TTSConfig
 from engine.models.talker import Talker
 from engine.plan import RequestOutput
 from engine.prompts import PromptRequest, tokenize_request
+from engine.reference_audio import prepare_reference_audio
 from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
 from engine.runner import RowSampling, Runner, RunnerConfig, SegmentPrompt, capture_with_progress
 from engine.sampler import SEED_MASK
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import TextTokenizer
+from engine.voice_cache import VoicePromptCache
 
 
 @dataclass(slots=True)
@@ -112,6 +114,7 @@ class _Voice:
     speaker_embedding: torch.Tensor | None = None  # Base x-vector
     ref_codes: torch.Tensor | None = None  # Base ICL reference frames
     ref_text: str | None = None
+    clip: npt.NDArray[np.float32] | None = None  # a one-off clip (24 kHz), turned into a prompt on the step thread
 
 
 def share_frames(total: int, segments: list[TextSegment]) -> list[int]:
@@ -193,6 +196,12 @@ class Qwen3Engine:
             languages=tuple(config.languages), default_voice=default,
         )
         self._voices: dict[str, _Voice] = {}
+        # speaker embeddings and reference codes by clip content (one-off clips) and by voice id
+        self.voice_cache = (
+            VoicePromptCache.for_models(speaker_encoder, speech_tokenizer)
+            if speaker_encoder is not None and config.tts_model_type == "base" else None
+        )
+        self._pending_prompts: dict[int, tuple[TextSegment, SynthesisRequest, _Voice]] = {}
         self._streams: dict[str, Qwen3Stream] = {}
         shape = config.talker.shape
         dtype_bytes = talker.codec_head.weight.element_size()
@@ -281,7 +290,10 @@ class Qwen3Engine:
     # -- requests ------------------------------------------------------------------------------
     def _resolve_voice(self, request: SynthesisRequest) -> _Voice:
         if request.ref_audio is not None:
-            raise InvalidRequest("one-off reference audio is not supported yet; register the voice first")
+            if self.voice_cache is None:
+                raise InvalidRequest("voice cloning needs a Base model (this checkpoint has no speaker encoder)")
+            audio, rate = request.ref_audio
+            return _Voice(clip=prepare_reference_audio(audio, rate), ref_text=request.ref_text)
         name = request.voice or self.info.default_voice
         if name is None:
             return _Voice()
@@ -341,6 +353,18 @@ class Qwen3Engine:
 
     def _push(self, stream: Qwen3Stream, segment: TextSegment, forced_frames: int | None = None) -> None:
         req, voice = stream._request, stream._voice
+        if voice.clip is not None:  # tokenised once the clip's prompt is known (step thread)
+            payload = SegmentPrompt(tokens=None, non_streaming=self.econfig.non_streaming_text,
+                                    forced_frames=forced_frames)
+            self._pending_prompts[id(payload)] = (segment, req, voice)
+        else:
+            payload = self._segment_prompt(segment, req, voice, forced_frames)
+        max_frames = forced_frames if forced_frames is not None else self._max_frames(req)
+        seg = Segment(text=segment, prompt_len=0, max_frames=max_frames, payload=payload)
+        self.core.add_segment(stream.request_id, seg)
+
+    def _segment_prompt(self, segment: TextSegment, req: SynthesisRequest, voice: _Voice,
+                        forced_frames: int | None) -> SegmentPrompt:
         prompt_req = PromptRequest(
             text=segment.text, language=segment.language or req.language, speaker=voice.speaker,
             instruct=req.instructions, speaker_embedding=voice.speaker_embedding,
@@ -351,15 +375,20 @@ class Qwen3Engine:
             tokens = tokenize_request(self.tokenizer, self.cfg, prompt_req)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        payload = SegmentPrompt(
+        return SegmentPrompt(
             tokens=tokens, speaker_embedding=voice.speaker_embedding, ref_codes=voice.ref_codes,
             non_streaming=self.econfig.non_streaming_text, forced_frames=forced_frames,
         )
-        max_frames = forced_frames if forced_frames is not None else self._max_frames(req)
-        seg = Segment(text=segment, prompt_len=0, max_frames=max_frames, payload=payload)
-        self.core.add_segment(stream.request_id, seg)
 
     def _prepare(self, segment: Segment) -> None:
+        pending = self._pending_prompts.pop(id(segment.payload), None)
+        if pending is not None:  # a one-off clip: its prompt comes from the cache (computed once per clip)
+            text, req, voice = pending
+            assert self.voice_cache is not None and voice.clip is not None
+            prompt = self.voice_cache.prompt_for(voice.clip, SAMPLE_RATE, voice.ref_text)
+            cloned = _Voice(speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
+                            ref_text=prompt.ref_text)
+            segment.payload = self._segment_prompt(text, req, cloned, segment.payload.forced_frames)
         segment.prompt_len = self.runner.prepare(segment.payload)
         if segment.prompt_len >= self.econfig.max_len:
             raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {self.econfig.max_len}")
@@ -367,15 +396,10 @@ class Qwen3Engine:
     async def register_voice(
         self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
     ) -> None:
-        try:
-            from engine.voice_cache import build_voice  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise InvalidRequest("voice registration is not available in this build") from exc
-        if self.cfg.tts_model_type != "base":
-            raise InvalidRequest("voice cloning needs a Base model")
-        prompt = await asyncio.to_thread(
-            build_voice, self.speaker_encoder, self.speech_tokenizer, audio, sample_rate, text
-        )
+        if self.voice_cache is None:
+            raise InvalidRequest("voice cloning needs a Base model (this checkpoint has no speaker encoder)")
+        cache = self.voice_cache
+        prompt = await asyncio.to_thread(cache.register, voice_id, audio, sample_rate, text)
         self._voices[voice_id] = _Voice(
             speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes, ref_text=prompt.ref_text
         )

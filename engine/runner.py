@@ -57,7 +57,7 @@ class RowSampling:
 class SegmentPrompt:
     """A segment's prompt inputs; `embeds` is built on the step thread by Runner.prepare()."""
 
-    tokens: PromptTokens
+    tokens: PromptTokens | None  # None until a one-off clip's prompt is known
     speaker_embedding: Tensor | None = None
     ref_codes: Tensor | None = None
     non_streaming: bool = False
@@ -80,6 +80,9 @@ class RunnerConfig:
     # H200, replaying the codec graphs concurrently with the talker's hung (or, sharing one pool,
     # tripped an index assert) at batch 64; on one stream the codec is launched after sampling
     codec_overlap: bool = False
+
+
+PRIME_CHUNK_FRAMES = 25  # reference frames per priming call of the codec
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -143,6 +146,7 @@ class Runner:
         # share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
+        self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -159,6 +163,7 @@ class Runner:
     def prepare(self, prompt: SegmentPrompt) -> int:
         """Build the prompt embeddings (step thread); returns the prompt length."""
         if prompt.embeds is None:
+            assert prompt.tokens is not None, "segment prompt not tokenised"
             prompt.embeds = build_prompt_embeds(
                 self.talker, self.cfg, prompt.tokens,
                 speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
@@ -254,6 +259,10 @@ class Runner:
     def _setup_slot(self, c: PrefillChunk) -> None:
         """Fill a slot's tables at the start of a segment (or of a resume after preemption)."""
         slot, prompt, s = c.kv_slot, c.payload.embeds, c.sampling
+        if c.payload.ref_codes is not None and c.utterance_frame == 0 and not c.codes:
+            # an in-context clone's audio continues its reference clip, as upstream decodes
+            # reference + generated codes and cuts the reference off: prime the codec state with it
+            self._codec_primes[c.codec_slot] = c.payload.ref_codes
         n = prompt.trailing.shape[0]
         self.trail[slot, :n] = prompt.trailing.to(self.dtype)
         self.trail[slot, n] = prompt.tts_pad.to(self.dtype)
@@ -337,7 +346,7 @@ class Runner:
     def _launch_codec(
         self, chunks: list[CodecChunk], resets: list[int]
     ) -> Callable[[], dict[str, np.ndarray]]:
-        if not chunks and not resets:
+        if not chunks and not resets and not self._codec_primes:
             return dict
         pieces: list[tuple[list[CodecChunk], Tensor]] = []
         with self._codec_ctx():
@@ -345,6 +354,7 @@ class Runner:
                 self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
             if resets:
                 self.codec.reset(torch.tensor(resets, dtype=torch.long, device=self.device))
+            self._prime_codec()
             by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
             for c in chunks:
                 by_frames[c.num_frames].append(c)
@@ -368,6 +378,15 @@ class Runner:
             return audio
 
         return collect
+
+    def _prime_codec(self) -> None:
+        """Run pending reference clips through their slots' decoder state; the audio is dropped."""
+        while self._codec_primes:
+            slot, codes = self._codec_primes.popitem()
+            slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+            for start in range(0, codes.shape[0], PRIME_CHUNK_FRAMES):
+                part = codes[start : start + PRIME_CHUNK_FRAMES].to(self.device, torch.long)
+                self.codec.decode_step(slots, part[None])
 
     def _decode_codec(self, rows: list[CodecChunk], f: int) -> Tensor:
         n = len(rows)

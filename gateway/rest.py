@@ -9,6 +9,7 @@ when the engine is overloaded, 500 for engine failures.
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import logging
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import soundfile as sf
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -35,7 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.packets import StreamResampler, to_int16
 from gateway.quotas import QuotaError, Quotas
 from gateway.segmenter import UtteranceText
-from gateway.voices import read_limited
+from gateway.voices import ClipError, decode_clip, read_limited
 
 log = logging.getLogger("cadence.rest")
 
@@ -60,6 +62,9 @@ class SpeechRequest:
     speed: float
     sse: bool
     timestamps: bool
+    # a one-off voice clone: the reference clip (mono samples, rate) and its transcript
+    ref_audio: tuple[npt.NDArray[np.float32], int] | None = None
+    ref_text: str | None = None
 
 
 def error_response(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -104,6 +109,7 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
     if not isinstance(timestamps, bool):
         raise BadRequest("invalid_message", "`timestamps` must be true or false")
     response_format: ResponseFormat = "wav" if fmt == "wav" else "pcm" if fmt == "pcm" else "flac"
+    ref_audio = _reference_clip(body.get("ref_audio"))
     return SpeechRequest(
         input=text,
         voice=_optional_text(body, "voice"),
@@ -113,7 +119,26 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
         speed=float(speed),
         sse=sse,
         timestamps=timestamps,
+        ref_audio=ref_audio,
+        ref_text=_optional_text(body, "ref_text"),
     )
+
+
+def _reference_clip(value: object) -> tuple[npt.NDArray[np.float32], int] | None:
+    """`ref_audio`: an audio file (WAV, FLAC, OGG, ...) as base64 or a `data:` URL."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest("invalid_audio", "`ref_audio` must be a base64 string or a data: URL of an audio file")
+    payload = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("invalid_audio", "`ref_audio` is not valid base64") from None
+    try:
+        return decode_clip(data)
+    except ClipError as exc:
+        raise BadRequest("invalid_audio", str(exc)) from None
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -188,7 +213,9 @@ def make_speech_endpoint(
         return error_response(status, code, message, headers)
 
     async def speech(request: Request) -> Response:
-        raw = await read_limited(request, min(config.max_body_bytes, config.max_message_bytes + config.max_text_chars * 4))
+        # text, plus room for a one-off reference clip (base64: 4/3 of the file)
+        limit = config.max_message_bytes + config.max_text_chars * 4 + config.max_voice_upload_bytes * 4 // 3
+        raw = await read_limited(request, limit)
         if raw is None:
             return fail(413, "text_too_long", "request body too large")
         try:
@@ -224,6 +251,8 @@ def make_speech_endpoint(
                 language=req.language,
                 instructions=req.instructions,
                 speed=req.speed,
+                ref_audio=req.ref_audio,
+                ref_text=req.ref_text,
             ))
         except EngineError as exc:
             wait = retry_after_s(exc)
