@@ -109,7 +109,7 @@ class Cluster:
         gateway.quotas = SharedQuotas(self.sync_redis, replica_id, old_quotas.limits, prefix)
         gateway.quotas.per_key.update(old_quotas.per_key)
         gateway.voices = SharedVoiceRegistry(gateway.engine, gateway.config, self.redis, prefix)
-        gateway.engine = DirectoryEngine(gateway.engine, self)  # type: ignore[assignment]
+        gateway.engine = DirectoryEngine(gateway.engine, self)
         self.voices: SharedVoiceRegistry = gateway.voices
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -232,7 +232,7 @@ class Cluster:
         answer: dict[str, Any] | None = None
         route = "broadcast"
         if entry is not None:
-            owner, _, owner_session = entry.decode().partition(" ")
+            owner, _, owner_session = (entry.decode() if isinstance(entry, bytes) else entry).partition(" ")
             if owner != self.replica_id:
                 request["session_id"] = session_id or owner_session
                 answer = await self.ask(f"{self.prefix}ctl:{owner}", request)
@@ -307,12 +307,12 @@ class Cluster:
                         self.spawn(self._on_request(json.loads(data)))
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
                 raise
             except (aioredis.RedisError, OSError, ValueError) as exc:
                 log.warning("Redis subscription lost (%s); resubscribing", exc)
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
                 await asyncio.sleep(0.2)
 
     # -- routes -------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import contextlib
 import io
 import json
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -26,14 +28,14 @@ from gateway.voices import VOICE_ID, Voice, VoiceRegistry
 log = logging.getLogger("cadence.redis")
 
 
-def voice_to_redis(voice: Voice) -> dict[str, bytes]:
+def voice_to_redis(voice: Voice) -> dict[Any, Any]:  # the field mapping redis-py's hset takes
     buffer = io.BytesIO()
     sf.write(buffer, voice.audio, voice.sample_rate, format="FLAC")
     meta = {"name": voice.name, "owner": voice.owner, "text": voice.text, "created_at": voice.created_at}
     return {"meta": json.dumps(meta, ensure_ascii=False).encode(), "audio": buffer.getvalue()}
 
 
-def voice_from_redis(voice_id: str, fields: dict[bytes, bytes]) -> Voice:
+def voice_from_redis(voice_id: str, fields: Mapping[Any, Any]) -> Voice:
     meta = json.loads(fields[b"meta"])
     audio, rate = sf.read(io.BytesIO(fields[b"audio"]), dtype="float32")
     return Voice(voice_id, meta["name"], meta["owner"], meta.get("text"), int(rate),
@@ -103,7 +105,7 @@ class SharedVoiceRegistry(VoiceRegistry):
 
     async def resync(self) -> int:
         """Make the local copy match Redis; voices held here but lost from Redis are written back."""
-        members = {m.decode() for m in await self.client.smembers(f"{self.prefix}voices")}
+        members = {m.decode() if isinstance(m, bytes) else m for m in await self.client.smembers(f"{self.prefix}voices")}
         for voice_id in members - set(self._voices):
             await self.fetch(voice_id)
         for voice_id in set(self._voices) - members:
