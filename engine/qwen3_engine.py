@@ -272,10 +272,21 @@ class Qwen3Engine:
 
     def load(self) -> EngineLoad:
         def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float]]:
-            return s.num_active, s.num_queued, s.kv.stats()
+            figures = s.kv.stats()
+            ttfa = s.ttfa_p50_s()
+            if ttfa is not None:
+                figures["ttfa_p50_ms"] = 1000 * ttfa  # engine side: arrival to first decoded chunk, last minute
+            figures["ttfa_samples"] = float(s.ttfa_samples)
+            figures["requests_finished"] = float(s.finished)
+            return s.num_active, s.num_queued, figures
 
         active, queued, kv = self.core.run_locked(snapshot)  # type: ignore[misc]
         extra = dict(kv)
+        extra["active_streams"] = float(active)
+        extra["queued_requests"] = float(queued)
+        extra["kv_blocks_in_use"] = kv["kv_slots_used"]  # a block is one slot of max_len positions
+        extra["kv_blocks_total"] = kv["kv_slots"]
+        extra.update(self.runner.figures.snapshot())
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
         extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
         extra["step_time_ms"] = 1000 * self.scheduler.step_time_s

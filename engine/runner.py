@@ -18,6 +18,7 @@ a dummy row that padded batch entries read and write.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -83,6 +84,61 @@ class RunnerConfig:
 
 
 PRIME_CHUNK_FRAMES = 25  # reference frames per priming call of the codec
+STAGES = ("decode", "prefill", "sample", "codec")
+
+
+class StageFigures:
+    """Rows and time per stage, as running means over the steps where the stage ran.
+
+    On the GPU a stage is timed by CUDA events around its launches, read once the step's results
+    have reached the host (no extra synchronisation); on the CPU by the wall clock.
+    """
+
+    def __init__(self, cuda: bool, smoothing: float = 0.1) -> None:
+        self.cuda = cuda
+        self.smoothing = smoothing
+        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES] + ["prefill_tokens", "codec_frames"]
+        self._mean = dict.fromkeys(names, 0.0)  # every key up front: readers on other threads see a fixed dict
+        self._seen: set[str] = set()
+        self._open: list[tuple[str, object, object]] = []
+        self.steps = 0
+
+    def start(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, stage: str, started: object) -> None:
+        self._open.append((stage, started, self.start()))
+
+    def rows(self, name: str, value: float) -> None:
+        self._update(name, value)
+
+    def finish_step(self) -> None:
+        """Fold the step's stage times in (after its host read, so CUDA events are complete)."""
+        for stage, a, b in self._open:
+            if self.cuda:
+                b.synchronize()  # type: ignore[attr-defined]
+                ms = float(a.elapsed_time(b))  # type: ignore[attr-defined]
+            else:
+                ms = 1000 * (float(b) - float(a))  # type: ignore[arg-type]
+            self._update(f"step_ms_{stage}", ms)
+        self._open.clear()
+        self.steps += 1
+
+    def _update(self, name: str, value: float) -> None:
+        if name not in self._seen:
+            self._seen.add(name)
+            self._mean[name] = value
+        else:
+            self._mean[name] += self.smoothing * (value - self._mean[name])
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(self._mean)
+        out["steps"] = float(self.steps)
+        return out
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -147,6 +203,7 @@ class Runner:
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
+        self.figures = StageFigures(cuda)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -181,10 +238,15 @@ class Runner:
         collect_audio = self._launch_codec(plan.codec, plan.codec_resets) if overlap else None
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
+        fig = self.figures
         if plan.decode:
+            t = fig.start()
             hidden.append(self._decode(plan))
             meta += [(r.kv_slot, r.frame_index, r.utterance_frame * self.groups) for r in plan.decode]
+            fig.stop("decode", t)
+            fig.rows("batch_decode", len(plan.decode))
         if plan.prefill:
+            t = fig.start()
             h = self._prefill(plan.prefill)
             if h is not None:
                 hidden.append(h)
@@ -192,12 +254,26 @@ class Runner:
                     (c.kv_slot, c.frame_index, c.utterance_frame * self.groups)
                     for c in plan.prefill if c.samples_frame
                 ]
+            fig.stop("prefill", t)
+            fig.rows("batch_prefill", len(plan.prefill))
+            fig.rows("prefill_tokens", sum(c.length for c in plan.prefill))
         codes: list[list[int]] = []
         if meta:
+            t = fig.start()
             codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
+            fig.stop("sample", t)
+            fig.rows("batch_sample", len(meta))
         if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling
+            t = fig.start()
             collect_audio = self._launch_codec(plan.codec, plan.codec_resets)
-        return StepOutput(codes=codes, audio=collect_audio())
+            if plan.codec:
+                fig.stop("codec", t)
+        audio = collect_audio()
+        if plan.codec:
+            fig.rows("batch_codec", len(plan.codec))
+            fig.rows("codec_frames", sum(c.num_frames for c in plan.codec))
+        fig.finish_step()
+        return StepOutput(codes=codes, audio=audio)
 
     # -- talker decode -------------------------------------------------------------------------
     def _decode(self, plan: StepPlan) -> Tensor:

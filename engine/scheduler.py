@@ -14,6 +14,7 @@ Every step:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ class Scheduler:
         self._freed_kv: list[int] = []
         self._codec_resets: list[int] = []
         self._last_schedule: float | None = None
+        self.ttfa_window_s = 60.0
+        self._ttfas: deque[tuple[float, float]] = deque()  # (time of first audio, TTFA) over the window
+        self.finished = 0  # requests ended, any status
 
     # -- inputs (called between steps) -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -223,6 +227,7 @@ class Scheduler:
             r.chunks_emitted += 1
             if r.first_audio_time is None:
                 r.first_audio_time = now
+                self._ttfas.append((now, now - r.arrival_time))
         for o in outs.values():
             r = self.requests.get(o.request_id)
             if r is not None:
@@ -239,6 +244,18 @@ class Scheduler:
     @property
     def num_queued(self) -> int:
         return sum(1 for r in self.requests.values() if r.codec_slot is None)
+
+    def ttfa_p50_s(self) -> float | None:
+        """Median time to first audio of the requests whose first audio came in the last window."""
+        horizon = self.clock() - self.ttfa_window_s
+        while self._ttfas and self._ttfas[0][0] < horizon:
+            self._ttfas.popleft()
+        values = sorted(t for _, t in self._ttfas)
+        return values[len(values) // 2] if values else None
+
+    @property
+    def ttfa_samples(self) -> int:
+        return len(self._ttfas)
 
     def has_work(self) -> bool:
         """True when schedule() would produce something to run."""
@@ -357,6 +374,7 @@ class Scheduler:
             r.codec_slot = None
         r.status = status
         self.requests.pop(r.request_id, None)
+        self.finished += 1
         return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
 
     def _snap(self, frames: int) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -42,6 +44,48 @@ WEB_DIR = Path(__file__).resolve().parent.parent / "clients" / "web"
 WEB_PAGE = WEB_DIR / "index.html"
 
 
+class TtfaWindow:
+    """Median time to first audio over the last minute, from the TTFA histogram: snapshots of its
+    cumulative bucket counts (all endpoints), the median of the difference across the window
+    interpolated within its bucket (as Prometheus' histogram_quantile does)."""
+
+    def __init__(self, metrics: GatewayMetrics, window_s: float = 60.0) -> None:
+        self.metrics, self.window_s = metrics, window_s
+        self._snaps: list[tuple[float, dict[float, float]]] = [(time.monotonic(), {})]
+
+    def _counts(self) -> dict[float, float]:
+        counts: dict[float, float] = {}
+        for family in self.metrics.ttfa.collect():
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    le = float(s.labels["le"])
+                    counts[le] = counts.get(le, 0.0) + s.value
+        return counts
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        self._snaps.append((now, self._counts()))
+        while len(self._snaps) > 2 and self._snaps[1][0] <= now - self.window_s:
+            self._snaps.pop(0)
+
+    def p50_ms(self) -> tuple[float | None, int]:
+        """(median in ms or None, utterances in the window)."""
+        self.sample()
+        base, last = self._snaps[0][1], self._snaps[-1][1]
+        delta = sorted((le, n - base.get(le, 0.0)) for le, n in last.items())
+        total = delta[-1][1] if delta else 0.0
+        if total <= 0:
+            return None, 0
+        rank, lower, below = total / 2, 0.0, 0.0
+        for le, cum in delta:
+            if cum >= rank:
+                if math.isinf(le):
+                    return 1000 * lower, int(total)
+                return 1000 * (lower + (le - lower) * (rank - below) / max(cum - below, 1e-9)), int(total)
+            lower, below = le, cum
+        return 1000 * lower, int(total)
+
+
 class Gateway:
     """What the routes share: the engine, the limits, the metrics and the open sessions."""
 
@@ -58,6 +102,7 @@ class Gateway:
         self.engine_restarts = 0
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
+        self.ttfa_window = TtfaWindow(self.metrics)
 
     async def close_sessions(self) -> None:
         """Shutdown: refuse new sessions, drain the open ones (bounded), close them with 1001."""
@@ -105,6 +150,7 @@ class Gateway:
         /readyz says 503 with the reason meanwhile, and counts the restarts."""
         while True:
             await asyncio.sleep(period_s)
+            self.ttfa_window.sample()  # keeps the one-minute TTFA window current between /v1/load calls
             if not self.ready or self.closing:
                 continue
             try:
@@ -142,6 +188,24 @@ class Gateway:
         self.metrics.observe_sessions([s.queued_bytes() for s in self.sessions], len(asyncio.all_tasks()))
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+    async def live_load(self, request: Request) -> Response:
+        """GET /v1/load: the engine's load figures and the gateway's, for the page's live panel."""
+        load = self.engine.load()
+        ttfa_ms, ttfa_count = self.ttfa_window.p50_ms()
+        utterances = self.metrics.registry.get_sample_value("cadence_active_utterances") or 0.0
+        return JSONResponse({
+            "engine": {
+                "name": self.engine.info.name, "model": self.engine.info.model, "ready": load.ready,
+                "active": load.active, "queued": load.queued, "capacity": load.capacity,
+                "queue_limit": load.queue_limit,
+                "figures": {k: v for k, v in load.extra.items() if math.isfinite(v)},  # JSON has no NaN
+            },
+            "gateway": {
+                "sessions": len(self.sessions), "utterances": int(utterances),
+                "ttfa_p50_ms": ttfa_ms, "ttfa_utterances_1m": ttfa_count, "engine_restarts": self.engine_restarts,
+            },
+        })
 
     async def index(self, request: Request) -> Response:
         if WEB_PAGE.is_file():
@@ -189,6 +253,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
         Route("/healthz", gateway.healthz),
         Route("/readyz", gateway.readyz),
         Route("/metrics", gateway.metrics_page),
+        Route("/v1/load", gateway.live_load),
         Route("/", gateway.index),
         *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}

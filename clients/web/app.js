@@ -282,6 +282,34 @@ async function loadVoices() {
   } catch (e) { /* the voice list is optional */ }
 }
 
+// -- the server's live load (GET /v1/load, every second) -----------------------------------------------
+const fmtMs = (v) => (typeof v === "number" && Number.isFinite(v) ? `${Math.round(v)} ms` : "–");
+const fmtNum = (v) => (typeof v === "number" && Number.isFinite(v) ? `${Math.round(v * 10) / 10}` : "–");
+
+function showLoad(body) {
+  const e = body.engine, g = body.gateway, f = e.figures || {};
+  $("load-ttfa").textContent = fmtMs(g.ttfa_p50_ms);
+  $("load-engine-ttfa").textContent = fmtMs(f.ttfa_p50_ms);
+  $("load-active").textContent = `${e.active} / ${e.capacity}`;
+  $("load-queued").textContent = `${e.queued}`;
+  $("load-kv").textContent = "kv_blocks_in_use" in f ? `${f.kv_blocks_in_use} / ${f.kv_blocks_total}` : "–";
+  $("load-batch").textContent = ["batch_decode", "batch_prefill", "batch_codec"].map((k) => fmtNum(f[k])).join(" / ");
+  $("load-step").textContent = ["step_ms_decode", "step_ms_prefill", "step_ms_codec"].map((k) => fmtNum(f[k])).join(" / ") + " ms";
+  $("load-sessions").textContent = `${g.sessions} / ${g.utterances}`;
+  $("load-updated").textContent = new Date().toLocaleTimeString();
+}
+
+async function pollLoad() {
+  try {
+    const token = new URLSearchParams(location.search).get("token");
+    const response = await fetch("/v1/load", token ? { headers: { Authorization: `Bearer ${token}` } } : {});
+    if (!response.ok) return;
+    state.load = await response.json();
+    state.loadPolls = (state.loadPolls || 0) + 1;
+    showLoad(state.load);
+  } catch (e) { /* the panel keeps its last figures */ }
+}
+
 for (const language of LANGUAGES) $("language").add(new Option(language, language));
 $("speak").addEventListener("click", () => speak());
 $("barge").addEventListener("click", () => bargeIn("button"));
@@ -290,5 +318,7 @@ for (const id of ["voice", "language"]) $(id).addEventListener("change", () => {
 setInterval(tick, 20);
 setInterval(report, 100);
 loadVoices();
+pollLoad();
+setInterval(pollLoad, 1000);
 
 window.cadence = { state, heardMs, bargeIn, speak, wordAt };
