@@ -3,10 +3,11 @@
 Tasks: a reader (client frames -> protocol), a writer (send queue -> socket, with pacing), a
 ticker (timeouts, the slow-client watchdog), and one pull task per utterance (engine chunks ->
 protocol). A client that reads nothing fills only its own queue: past the high watermark its
-utterances stop pulling engine audio (the engine never waits), and when the writer has made no
-progress for `slow_client_timeout_s` with audio queued, or the control lane passes
-`control_queue_max`, the session is closed with 1008 and its engine streams are cancelled. Everything the protocol asks for runs in
-`_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
+utterances stop pulling engine audio (the engine never waits), and when one send to the socket
+has been blocked for `slow_client_timeout_s` (the client takes no bytes), or the control lane
+passes `control_queue_max`, the session is closed with 1008 and its engine streams are cancelled.
+Time the writer spends idle, pacing, or waiting for a busy event loop is not a stall: only a send
+that the transport does not accept counts. Everything the protocol asks for runs in `_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
 `utterance.interrupted` happen together: no packet of that stream is sent after the fence.
 """
 
@@ -134,7 +135,7 @@ class Session:
         )
         self.queue = SendQueue(config.send_queue_high, config.send_queue_low)
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
-        self._last_progress = self._loop.time()  # when the writer last sent a frame
+        self._send_started: float | None = None  # when the send in progress began (None: not sending)
         self._streams: dict[str, SynthesisStream] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._first_text_at: dict[str, float] = {}
@@ -195,13 +196,23 @@ class Session:
             await asyncio.sleep(period)
             now = self._loop.time()
             self._execute(self.protocol.tick(now))
-            stalled = now - self._last_progress
-            if self.queue.audio and stalled > self.config.slow_client_timeout_s:
-                self._end(CLOSE_POLICY, f"client too slow: no audio taken for {stalled:.0f} s")
+            reason = self.too_slow(now)
+            if reason is not None:
+                self._end(CLOSE_POLICY, reason)
                 return
-            if len(self.queue.control) > self.config.control_queue_max:
-                self._end(CLOSE_POLICY, "client too slow: too many messages queued")
-                return
+
+    def too_slow(self, now: float) -> str | None:
+        """Why the client counts as a stalled reader at `now`, or None while it is not one."""
+        stalled = self.send_blocked_for(now)
+        if stalled > self.config.slow_client_timeout_s:
+            return f"client too slow: a send blocked for {stalled:.0f} s"
+        if len(self.queue.control) > self.config.control_queue_max:
+            return "client too slow: too many messages queued"
+        return None
+
+    def send_blocked_for(self, now: float) -> float:
+        """Seconds the send in progress has waited for the client to take bytes (0 when not sending)."""
+        return 0.0 if self._send_started is None else now - self._send_started
 
     def _end(self, code: int, reason: str) -> None:
         log.info("session %s closed: %s", self.session_id, reason)
@@ -232,11 +243,9 @@ class Session:
                 if isinstance(item, _CloseItem):
                     await self._close_socket(item)
                     return
-                await self.websocket.send_text(item)
-                self._last_progress = self._loop.time()
+                await self._send(item)
                 continue
             if not self.queue.audio:
-                self._last_progress = self._loop.time()
                 await self.queue.wait()
                 continue
             head = self.queue.audio[0]
@@ -246,18 +255,26 @@ class Session:
                     due = t0 + head.item.header.sample_offset / self.protocol.output.sample_rate - lead
                     wait = due - self._loop.time()
                     if wait > 0:
-                        self._last_progress = self._loop.time()  # pacing, not a slow client
                         await self.queue.wait(wait)
                         continue
             entry = self.queue.pop_audio()
             if isinstance(entry.item, str):
-                await self.websocket.send_text(entry.item)
-                self._last_progress = self._loop.time()
+                await self._send(entry.item)
                 self._execute(self.protocol.trailer_sent(entry.stream))
                 continue
-            await self.websocket.send_bytes(entry.item.frame)
-            self._last_progress = self._loop.time()
+            await self._send(entry.item.frame)
             self._after_packet_sent(entry.stream, entry.item)
+
+    async def _send(self, frame: str | bytes) -> None:
+        """One frame to the socket; the watchdog times how long the transport takes to accept it."""
+        self._send_started = self._loop.time()
+        try:
+            if isinstance(frame, str):
+                await self.websocket.send_text(frame)
+            else:
+                await self.websocket.send_bytes(frame)
+        finally:
+            self._send_started = None
 
     def _after_packet_sent(self, stream: int, packet: Packet) -> None:
         now = self._loop.time()
