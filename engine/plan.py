@@ -26,6 +26,16 @@ class PrefillChunk:
     new_segment: bool  # first chunk of a fresh segment: reset the slot's per-segment sampling state
     codes: list[list[int]] = field(default_factory=list)  # segment frames to re-embed on a resume
     sampling: Any = None  # the request's sampling parameters
+    copied: int = 0  # prompt positions the slot got from the prefix cache (its prefill starts there)
+    prefix_key: str | None = None  # the segment's text-independent prompt prefix (see engine.prefix_cache)
+    prefix_len: int = 0
+
+
+@dataclass(slots=True)
+class PrefixCopy:
+    kv_slot: int  # talker cache row whose first `length` positions come from the prefix cache
+    key: str
+    length: int
 
 
 @dataclass(slots=True)
@@ -62,6 +72,7 @@ class StepPlan:
     codec_resets: list[int] = field(default_factory=list)  # codec rows given to new requests: zero them
     freed_kv_slots: list[int] = field(default_factory=list)  # talker rows released since the last plan
     num_prefill_tokens: int = 0  # sum of chunk lengths (the step's token budget minus decode rows)
+    prefix_copies: list[PrefixCopy] = field(default_factory=list)  # run before the prefill
 
     @property
     def sampling_rows(self) -> list[str]:
@@ -70,7 +81,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decode or self.prefill or self.codec or self.codec_resets)
+        return not (self.decode or self.prefill or self.codec or self.codec_resets or self.prefix_copies)
 
 
 @dataclass(slots=True)

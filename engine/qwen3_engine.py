@@ -38,6 +38,7 @@ from engine.models.codec import Code2Wav
 from engine.models.config import GenerationDefaults, Qwen3TTSConfig
 from engine.models.talker import Talker
 from engine.plan import RequestOutput
+from engine.prefix_cache import PrefixKVCache, prefix_key, prefix_length
 from engine.prompts import PromptRequest, tokenize_request
 from engine.reference_audio import prepare_reference_audio
 from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
@@ -67,6 +68,8 @@ class Qwen3EngineConfig:
     enforce_eager: bool = False
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
+    # voices' text-independent prompt prefixes kept as talker KV (engine.prefix_cache); 0 turns it off
+    prefix_cache_bytes: int = 256 << 20
     default_voice: str | None = None
     progress_bar: bool = True
 
@@ -230,6 +233,11 @@ class Qwen3Engine:
                 enforce_eager=ec.enforce_eager,
             ),
         )
+        self.model_name = model_name
+        self.prefix_cache = PrefixKVCache(ec.prefix_cache_bytes) if ec.prefix_cache_bytes > 0 else None
+        if self.prefix_cache is not None:
+            self.runner.prefix_cache = self.prefix_cache
+            self.scheduler.prefix_lookup = self.prefix_cache.lookup
         self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, self._prepare)
         self._ready = False
 
@@ -287,6 +295,8 @@ class Qwen3Engine:
         extra["kv_blocks_in_use"] = kv["kv_slots_used"]  # a block is one slot of max_len positions
         extra["kv_blocks_total"] = kv["kv_slots"]
         extra.update(self.runner.figures.snapshot())
+        if self.prefix_cache is not None:
+            extra.update(self.prefix_cache.stats())
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
         extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
         extra["step_time_ms"] = 1000 * self.scheduler.step_time_s
@@ -403,6 +413,25 @@ class Qwen3Engine:
         segment.prompt_len = self.runner.prepare(segment.payload)
         if segment.prompt_len >= self.econfig.max_len:
             raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {self.econfig.max_len}")
+        if self.prefix_cache is not None:
+            self._mark_prefix(segment)
+
+    def _mark_prefix(self, segment: Segment) -> None:
+        """Name the segment's text-independent prompt prefix, so its KV can come from the cache."""
+        prompt: SegmentPrompt = segment.payload
+        tokens = prompt.tokens
+        assert tokens is not None
+        ref_frames = None if prompt.ref_codes is None else int(prompt.ref_codes.shape[0])
+        has_speaker = prompt.speaker_embedding is not None or tokens.speaker_id is not None
+        n = prefix_length(tokens, has_speaker=has_speaker, ref_frames=ref_frames,
+                          non_streaming=prompt.non_streaming, prompt_len=segment.prompt_len)
+        if n <= 0:
+            return
+        segment.prefix_len = n
+        segment.prefix_key = prefix_key(
+            self.model_name, tokens, speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
+            non_streaming=prompt.non_streaming, length=n,
+        )
 
     async def register_voice(
         self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None

@@ -49,6 +49,9 @@ class Segment:
     frames: int = 0  # frames generated for this segment
     prefilled: int = 0  # positions currently in the talker KV cache
     done: bool = False  # EOS sampled or max_frames reached
+    prefix_key: str | None = None  # hash of the prompt's text-independent prefix (None: no reuse)
+    prefix_len: int = 0  # positions of that prefix
+    copied: int = 0  # positions the current slot got from the prefix cache
 
     @property
     def context_target(self) -> int:

@@ -32,6 +32,7 @@ from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
 from engine.plan import CodecChunk, PrefillChunk, StepOutput, StepPlan
+from engine.prefix_cache import PrefixKVCache
 from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
 from engine.sampler import SEED_MASK, SamplingParams, mask_talker_logits, sample, suppression_mask
 
@@ -204,6 +205,7 @@ class Runner:
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
         self.figures = StageFigures(cuda)
+        self.prefix_cache: PrefixKVCache | None = None  # voices' prompt prefixes (engine.prefix_cache)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -239,6 +241,10 @@ class Runner:
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
+        if plan.prefix_copies:
+            assert self.prefix_cache is not None, "prefix copies planned without a prefix cache"
+            for copy in plan.prefix_copies:
+                self.prefix_cache.copy_into(copy.key, self.cache, copy.kv_slot)
         if plan.decode:
             t = fig.start()
             hidden.append(self._decode(plan))
@@ -306,7 +312,7 @@ class Runner:
     def _prefill(self, chunks: list[PrefillChunk]) -> Tensor | None:
         rows, positions = [], []
         for c in chunks:
-            if c.start == 0:
+            if c.start == c.copied:  # the slot's first chunk (after a prefix taken from the cache)
                 self._setup_slot(c)
             rows.append(self._context(c)[c.start : c.start + c.length])
             positions.append(list(range(c.start, c.start + c.length)))
@@ -317,8 +323,18 @@ class Runner:
         slots = torch.tensor([c.kv_slot for c in chunks], dtype=torch.long).to(self.device, non_blocking=True)
         kv_len = max(c.start + c.length for c in chunks)
         out = self.talker(embeds, pos_t, self.cache, slots, kv_len)
+        self._keep_prefixes(chunks)
         last = [out[i, c.length - 1] for i, c in enumerate(chunks) if c.samples_frame]
         return torch.stack(last) if last else None
+
+    def _keep_prefixes(self, chunks: list[PrefillChunk]) -> None:
+        """Store the prompt prefixes this step's chunks computed in full (first request of a voice)."""
+        if self.prefix_cache is None:
+            return
+        for c in chunks:
+            done = c.copied == 0 and c.start < c.prefix_len <= c.start + c.length
+            if c.prefix_key is not None and done and c.prefix_key not in self.prefix_cache:
+                self.prefix_cache.store(c.prefix_key, self.cache, c.kv_slot, c.prefix_len)
 
     def _context(self, c: PrefillChunk) -> Tensor:
         """The segment's talker inputs: the prompt, then (on a resume) the generated frames."""

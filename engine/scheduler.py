@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from engine.api import ChunkSchedule, Overloaded, Priority
 from engine.kv_cache import KVCacheManager, SlotPool
-from engine.plan import CodecChunk, DecodeRow, PrefillChunk, RequestOutput, StepOutput, StepPlan
+from engine.plan import CodecChunk, DecodeRow, PrefillChunk, PrefixCopy, RequestOutput, StepOutput, StepPlan
 from engine.request import Request, RequestStatus, Segment
 
 
@@ -58,8 +58,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        prefix_lookup: Callable[[str, int], bool] | None = None,
     ) -> None:
         self.config = config
+        # (key, positions) -> cached? A hit starts the segment's prefill after its prompt prefix
+        self.prefix_lookup = prefix_lookup
+        self._prefix_copies: list[PrefixCopy] = []
         self.kv = kv
         self.codec_pool = SlotPool(config.codec_slots)
         self.clock = clock
@@ -176,15 +180,19 @@ class Scheduler:
                     samples_frame=n == remaining,
                     frame_index=seg.frames,
                     utterance_frame=r.frames_generated,
-                    new_segment=start == 0 and seg.frames == 0,
+                    new_segment=start == seg.copied and seg.frames == 0,
                     codes=r.codes[seg.first_frame : seg.first_frame + seg.frames] if seg.frames else [],
                     sampling=r.sampling,
+                    copied=seg.copied,
+                    prefix_key=seg.prefix_key,
+                    prefix_len=seg.prefix_len,
                 )
             )
             budget -= n
             rows += 1
             plan.num_prefill_tokens += n
         plan.codec = self._schedule_codec(now)
+        plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
         return plan
@@ -278,6 +286,7 @@ class Scheduler:
         if r.kv_slot is not None:  # back to back: keep the talker slot
             self.kv.set_length(r.kv_slot, 0)
             r.status = RequestStatus.PREFILLING
+            self._reuse_prefix(r)
         else:
             r.status = RequestStatus.WAITING
             self.waiting.append(r)
@@ -314,8 +323,22 @@ class Scheduler:
             assert r.current is not None
             r.current.prefilled = 0
             r.status = RequestStatus.PREFILLING
+            self._reuse_prefix(r)
             self.running.append(r)
         self.waiting = still
+
+    def _reuse_prefix(self, r: Request) -> None:
+        """A segment starting in its slot: take its prompt prefix from the cache when it is there."""
+        seg = r.current
+        assert seg is not None and r.kv_slot is not None
+        seg.copied = 0
+        if self.prefix_lookup is None or seg.prefix_key is None or not 0 < seg.prefix_len < seg.context_target:
+            return
+        if not self.prefix_lookup(seg.prefix_key, seg.prefix_len):
+            return
+        seg.prefilled = seg.copied = seg.prefix_len
+        self.kv.set_length(r.kv_slot, seg.prefix_len)
+        self._prefix_copies.append(PrefixCopy(r.kv_slot, seg.prefix_key, seg.prefix_len))
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -327,6 +350,7 @@ class Scheduler:
 
     def _release_kv(self, r: Request) -> None:
         if r.kv_slot is not None:
+            self._prefix_copies = [c for c in self._prefix_copies if c.kv_slot != r.kv_slot]
             self.kv.free(r.kv_slot)
             self._freed_kv.append(r.kv_slot)
             r.kv_slot = None
