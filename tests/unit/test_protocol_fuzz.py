@@ -246,7 +246,7 @@ _frames = st.one_of(
                                  "playback.report", "speak.resume", "session.start", "x"]),
         "utterance_id": st.one_of(st.none(), st.sampled_from(IDS), st.integers(), st.text(max_size=3)),
         "text": st.one_of(st.text(max_size=30), st.integers(), st.none()),
-        "played_ms": st.one_of(st.none(), st.integers(-5, 10**10), st.floats(allow_nan=True), st.text(max_size=2)),
+        "played_ms": st.one_of(st.none(), st.integers(-5, 10**10), st.floats(allow_nan=True, allow_subnormal=False), st.text(max_size=2)),
         "from_utterance": st.sampled_from(IDS),
     })),
     st.text(max_size=50),
