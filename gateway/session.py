@@ -398,4 +398,5 @@ class Session:
             self.metrics.active_utterances.inc(active - self._counted_active)
             self._counted_active = active
         if active == 0:
+            self._first_text_at.clear()  # a failed utterance sends no trailer to pop its entry
             self._idle.set()

@@ -3,13 +3,18 @@ the session and utterance, so a failed soak says why."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
 
 from websockets.asyncio.server import ServerConnection, serve
 
+from gateway.config import GatewayConfig
 from scripts.soak import Tally, _drift, session
+from tests.fakes import FakeEngine
+from tests.integration.conftest import GatewayFactory
+from tests.integration.wsclient import Client, connect
 
 
 async def _closes_after_start(ws: ServerConnection) -> None:
@@ -35,3 +40,27 @@ def test_history_entries_are_capped_per_session_and_drift_is_relative() -> None:
     tally.finished.update({0: 3, 1: 100})
     assert tally.history_entries() == 3 + 32
     assert _drift(105.0, 100.0) == 0.05 and _drift(None, 100.0) is None and _drift(1.0, 0.0) is None
+
+
+async def test_failed_and_finished_utterances_leave_no_per_utterance_state(gateway_factory: GatewayFactory) -> None:
+    engine = FakeEngine(fail_after_words=2)
+    gw = gateway_factory(engine)
+    async with connect(gw.ws) as ws:
+        c = Client(ws)
+        for i in range(30):
+            uid = f"u{i}"
+            text = "one two three four" if i % 2 else "one"  # odd ones fail in the engine
+            await c.send(type="speak.append", utterance_id=uid, text=text, flush=True)
+            await c.send(type="speak.end", utterance_id=uid)
+            if i % 2:
+                assert (await c.until("error", uid))["code"] == "internal"
+            else:
+                await c.until("utterance.done", uid)
+        [live] = gw.server.gateway.sessions
+        for _ in range(50):  # the last failure's actions run on the server's loop
+            if not live.protocol.active_count:
+                break
+            await asyncio.sleep(0.02)
+        assert live.protocol.active_count == 0
+        assert not live._first_text_at and not live._streams and not live._pulls and not live._stream_t0
+        assert len(live.protocol._history) == min(30, GatewayConfig().history_size)
