@@ -14,7 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ("cadence", "gateway", "engine", "aligner", "clients")
 TORCH_FREE = {"engine.api", "engine.bridge", "engine.request", "engine.scheduler", "engine.plan",
-              "engine.kv_cache", "engine.core", "engine.espeak", "engine.null"}
+              "engine.kv_cache", "engine.core", "engine.espeak", "engine.espeak_lib", "engine.espeak_text",
+              "engine.null", "engine.vllm_omni", "engine.workers", "engine.aligned", "engine.alignment_track",
+              "engine.reference_audio"}
 THIRD_PARTY_TORCH = ("torch", "triton", "transformers")
 
 
@@ -113,6 +115,21 @@ def test_clients_import_without_torch() -> None:
         "for name in names:\n"
         "    importlib.import_module('clients.' + name)\n"
         "print(len(names))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_gateway_and_the_torch_free_engines_import_without_torch() -> None:
+    """Not only their own imports: nothing they pull in may need torch (the eSpeak default
+    engine and the gateway run where torch is absent)."""
+    modules = sorted(TORCH_FREE | {"gateway.app", "gateway.server", "gateway.protocol", "cadence.cli"})
+    code = (
+        "import sys, importlib\n"
+        "for blocked in ('torch', 'transformers'):\n"
+        "    sys.modules[blocked] = None\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
