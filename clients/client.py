@@ -26,7 +26,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from gateway.messages import BYTES_PER_SAMPLE, unpack_packet
+from gateway.messages import BYTES_PER_SAMPLE, Word, unpack_packet
 
 # -- events ---------------------------------------------------------------------------------------
 
@@ -47,16 +47,6 @@ class Packet:
     payload: bytes
     samples: int  # samples in the payload
     received_at: float  # time.perf_counter() on arrival
-
-
-@dataclass(frozen=True, slots=True)
-class Word:
-    index: int
-    text: str
-    start_ms: int
-    end_ms: int
-    char_start: int
-    char_end: int
 
 
 @dataclass(frozen=True, slots=True)

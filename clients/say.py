@@ -10,7 +10,8 @@ from typing import TextIO
 
 import websockets
 
-from clients.client import ClientError, Done, Error, Interrupted, Packet, Word, Words, connect
+from clients.client import ClientError, Done, Error, Interrupted, Packet, Words, connect
+from gateway.messages import Word
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
 

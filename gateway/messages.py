@@ -190,6 +190,28 @@ class WordInfo(TypedDict):
     char_end: int
 
 
+@dataclass(frozen=True, slots=True)
+class Word:
+    """A word on the utterance's timeline, in ms, with its span in the client's text."""
+
+    index: int
+    text: str
+    start_ms: int
+    end_ms: int
+    char_start: int
+    char_end: int
+
+    def to_wire(self) -> WordInfo:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "start_ms": self.start_ms,
+            "end_ms": self.end_ms,
+            "char_start": self.char_start,
+            "char_end": self.char_end,
+        }
+
+
 class Words(TypedDict):
     type: Literal["words"]
     utterance_id: str

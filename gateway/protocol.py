@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.api import AudioChunk, EngineInfo, SynthesisRequest, TextSegment
-from gateway.bargein import Cut, Report, Word, cut_at, played_position, resume_offset
+from gateway.bargein import Cut, Report, cut_at, played_position, resume_offset
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_TOO_BIG, error_code, public_message
 from gateway.languages import languages_open_at, normalise_language
@@ -43,6 +43,7 @@ from gateway.messages import (
     SpeakResume,
     Timestamps,
     UtteranceStarted,
+    Word,
     decode,
     validate_output,
 )

@@ -33,7 +33,6 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
-from gateway.bargein import Word
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message
 from gateway.messages import (
@@ -44,6 +43,7 @@ from gateway.messages import (
     SpeakCancel,
     SpeakEnd,
     SpeakFlush,
+    Word,
     decode,
     encode,
 )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bargein import Cut, Report, Word, cut_at, played_position, resume_offset
+from gateway.bargein import Cut, Report, cut_at, played_position, resume_offset
+from gateway.messages import Word
 
 TEXT = "Sure, I can help you with that."
 WORDS = [
