@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${SECONDS:-20}"
 REF_BATCHES="${REF_BATCHES:-1,8}"; REF_FRAMES="${REF_FRAMES:-40}"; DEVICE="${DEVICE:-cuda}"
 OUTDIR="${OUTDIR:-${OUT:-./bench-out}}"; mkdir -p "$OUTDIR"
-PY="${PYTHON:-python3}"; CKPT="/tmp/cadence-random-$SIZE"; PORT=8765
+PY="${PYTHON:-python3}"; CKPT="${CKPT:-.cache/cadence-random-$SIZE}"; PORT=8765
 tag="$(echo "$SIZE" | tr 'A-Z' 'a-z')"
 
 [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size "$SIZE" --out "$CKPT" --device "$DEVICE"

@@ -1,7 +1,7 @@
 """Time to first audio saved by prompt-prefix KV reuse, engine level, random Qwen3-TTS-1.7B weights.
 
     python scripts/gpu_prefix_cache.py                                   # H200, writes a random checkpoint
-    python scripts/gpu_prefix_cache.py --checkpoint /tmp/qwen3-1.7b-random
+    python scripts/gpu_prefix_cache.py --checkpoint checkpoints/qwen3-1.7b-random
     python scripts/gpu_prefix_cache.py --size tiny --device cpu --streams 1 4   # smoke test of the script
 
 The voice is an in-context clone with a 10 s reference (125 reference frames, a transcript of about

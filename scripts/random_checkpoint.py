@@ -5,8 +5,8 @@ checkpoint at the real shapes (compute does not depend on weight values; audio i
 each request's length. The text tokenizer is a byte-level BPE trained on the benchmark corpus with
 the ChatML / tts special tokens at their real ids, so prompts have realistic token counts.
 
-    python scripts/random_checkpoint.py --size 1.7B --out /tmp/qwen3-1.7b-random
-    python scripts/random_checkpoint.py --size tiny --out /tmp/qwen3-tiny-random   # CPU tests
+    python scripts/random_checkpoint.py --size 1.7B --out checkpoints/qwen3-1.7b-random
+    python scripts/random_checkpoint.py --size tiny --out checkpoints/qwen3-tiny-random   # CPU tests
 """
 
 from __future__ import annotations

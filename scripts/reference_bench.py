@@ -1,7 +1,7 @@
 """The reference implementation (the `qwen-tts` package: HF transformers generate, static batch) on
 the same random checkpoint and GPU as Cadence's benchmark, for the side-by-side ratio.
 
-    python scripts/reference_bench.py --model /tmp/qwen3-1.7b-random --batches 1,8 --frames 50 -o ref.json
+    python scripts/reference_bench.py --model checkpoints/qwen3-1.7b-random --batches 1,8 --frames 50 -o ref.json
 
 Each batch of B corpus prompts (CustomVoice, speaker "ryan") is generated with EOS made unreachable
 and max_new_tokens = frames + 1, so every request yields exactly `frames` frames, as Cadence's
