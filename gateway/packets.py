@@ -80,8 +80,12 @@ _MULAW_CLIP: Final = 32635  # largest magnitude before the top segment
 
 
 def to_int16(samples: Audio) -> npt.NDArray[np.int16]:
-    clipped = np.clip(samples, -1.0, 1.0)
-    return np.round(clipped * 32767.0).astype(np.int16)
+    # plain ufuncs: np.clip / np.round's wrappers cost more than the arithmetic on a 20 ms packet
+    scaled = np.maximum(samples, -1.0)
+    np.minimum(scaled, 1.0, out=scaled)
+    np.multiply(scaled, 32767.0, out=scaled)
+    np.rint(scaled, out=scaled)
+    return scaled.astype(np.int16)
 
 
 def mulaw_encode(pcm: npt.NDArray[np.int16]) -> npt.NDArray[np.uint8]:
@@ -131,7 +135,7 @@ def encode_samples(samples: Audio, encoding: Encoding) -> bytes:
         return np.clip(samples, -1.0, 1.0).astype("<f4").tobytes()
     pcm = to_int16(samples)
     if encoding == "pcm_s16le":
-        return pcm.astype("<i2").tobytes()
+        return pcm.astype("<i2", copy=False).tobytes()
     if encoding == "mulaw":
         return mulaw_encode(pcm).tobytes()
     return alaw_encode(pcm).tobytes()
@@ -196,9 +200,14 @@ class Packetiser:
             self._pending = np.concatenate((self._pending, resampled)) if len(self._pending) else resampled
         size = self.format.samples_per_packet
         out: list[Packet] = []
-        while len(self._pending) >= size and not (final and len(self._pending) == size):
-            out.append(self._packet(self._pending[:size], last=False))
-            self._pending = self._pending[size:]
+        count = len(self._pending) // size  # whole packets ready
+        if final and count and len(self._pending) == count * size:
+            count -= 1  # the very last one goes out below, flagged as last
+        if count:  # encode them in one pass, then cut the bytes
+            data = encode_samples(self._pending[: count * size], self.format.encoding)
+            step = len(data) // count
+            out += [self._make(data[i * step : (i + 1) * step], size, last=False) for i in range(count)]
+            self._pending = self._pending[count * size :]
         if final:
             out.append(self._packet(self._pending, last=True))
             self._pending = _EMPTY
@@ -210,9 +219,12 @@ class Packetiser:
         return round(self.samples_out * 1000 / self.format.sample_rate)
 
     def _packet(self, samples: Audio, last: bool) -> Packet:
+        return self._make(encode_samples(samples, self.format.encoding), len(samples), last)
+
+    def _make(self, payload: bytes, samples: int, last: bool) -> Packet:
         header = PacketHeader(
             stream=self.stream, seq=self.packets, sample_offset=self.samples_out, flags=FLAG_LAST if last else 0
         )
         self.packets += 1
-        self.samples_out += len(samples)
-        return Packet(header, encode_samples(samples, self.format.encoding), len(samples))
+        self.samples_out += samples
+        return Packet(header, payload, samples)
