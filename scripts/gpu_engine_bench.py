@@ -31,37 +31,14 @@ from engine.prompts import PromptEmbeds, PromptTokens  # noqa: E402
 from engine.request import Request, Segment  # noqa: E402
 from engine.runner import RowSampling, Runner, RunnerConfig, SegmentPrompt  # noqa: E402
 from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scripts.random_checkpoint import model_config as checkpoint_config  # noqa: E402
+from scripts.random_checkpoint import speech_tokenizer_config  # noqa: E402
 
 
 def model_config(tiny: bool) -> tuple[dict, dict]:
-    if tiny:
-        dec = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)
-        cp = dict(dec, hidden_size=32)
-        mrope = [4, 2, 2]
-        codec = dict(codebook_dim=16, latent_dim=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=2, head_dim=16, decoder_dim=64)
-    else:  # Qwen3-TTS-12Hz-1.7B
-        dec = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                   num_key_value_heads=8, head_dim=128)
-        cp = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128)
-        mrope = [24, 20, 20]
-        codec = dict(codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024,
-                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
-                     decoder_dim=1536)
-    common = dict(rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
-    talker = dict(
-        dec, **common, vocab_size=3072, text_vocab_size=151936 if not tiny else 512,
-        text_hidden_size=dec["hidden_size"], num_code_groups=16, codec_pad_id=2148, codec_bos_id=2149,
-        codec_eos_token_id=2150, codec_think_id=2154, codec_nothink_id=2155, codec_think_bos_id=2156,
-        codec_think_eos_id=2157, codec_language_id={"english": 2050}, spk_id={"ryan": 3061},
-        spk_is_dialect={"ryan": False},
-        rope_scaling=dict(mrope_section=mrope, interleaved=True, rope_type="default"),
-        code_predictor_config=dict(cp, **common, vocab_size=2048, num_code_groups=16),
-    )
-    return dict(model_type="qwen3_tts", tts_model_type="custom_voice", tts_model_size="1b7",
-                talker_config=talker), codec
+    """config.json and the Code2Wav decoder config at the real 1.7B shapes (or toy ones)."""
+    size = "tiny" if tiny else "1.7B"
+    return checkpoint_config(size), speech_tokenizer_config(size)["decoder_config"]
 
 
 @torch.no_grad()
