@@ -30,7 +30,7 @@ class GatewayConfig:
     send_queue_high: int = 250
     send_queue_low: int = 50
     # finished utterances remembered per session (for a late speak.cancel and speak.resume)
-    history_size: int = 32
+    history_size: int = 8  # finished utterances kept per session (late cancels, speak.resume)
     # shutdown: how long open utterances may take to finish before the socket closes with 1001
     drain_timeout_s: float = 5.0
     # REST: output sample rate of /v1/audio/speech (OpenAI's pcm is 24 kHz s16le)

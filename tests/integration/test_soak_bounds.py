@@ -37,8 +37,9 @@ async def test_a_server_close_is_recorded_with_its_code_and_reason() -> None:
 
 def test_history_entries_are_capped_per_session_and_drift_is_relative() -> None:
     tally = Tally()
-    tally.finished.update({0: 3, 1: 100})
-    assert tally.history_entries() == 3 + 32
+    cap = GatewayConfig().history_size
+    tally.finished.update({0: cap - 1, 1: cap + 100})
+    assert tally.history_entries() == (cap - 1) + cap
     assert _drift(105.0, 100.0) == 0.05 and _drift(None, 100.0) is None and _drift(1.0, 0.0) is None
 
 
