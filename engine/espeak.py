@@ -148,7 +148,7 @@ class EspeakEngine:
             queued=queued,
             capacity=self.max_streams,
             queue_limit=self.queue_limit,
-            ready=self._thread is not None and not self._stopping,
+            ready=self._thread is not None and self._thread.is_alive() and not self._stopping,
             extra=extra,
         )
 

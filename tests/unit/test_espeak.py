@@ -291,3 +291,21 @@ async def test_a_new_request_goes_before_the_next_sentences_of_running_ones() ->
     await asyncio.gather(*drains)
     await engine.stop()
     assert served.index("new") - opened_at <= 2  # not behind the 10 running streams' next sentences
+
+
+async def test_a_dead_worker_thread_reports_not_ready() -> None:
+    """The gateway's supervisor restarts an engine that stops being ready: a worker thread that died
+    must show in load()."""
+    engine = EspeakEngine()
+    await engine.start()
+    try:
+        assert engine.load().ready
+        thread = engine._thread
+        assert thread is not None
+        engine._thread = threading.Thread(target=lambda: None)  # a worker that has ended
+        engine._thread.start()
+        engine._thread.join()
+        assert not engine.load().ready
+        engine._thread = thread
+    finally:
+        await engine.stop()
