@@ -35,21 +35,17 @@ SPEAKERS = {"serena": 3066, "vivian": 3065, "uncle_fu": 3010, "ryan": 3061, "aid
             "ono_anna": 2873, "sohee": 2864, "eric": 2875, "dylan": 2878}
 LANGUAGES = {"english": 2050, "chinese": 2055}
 
-SHAPES = {  # talker, code predictor, Code2Wav decoder (public config values)
+CODE_PREDICTOR = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128)
+CODE2WAV = dict(codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                num_attention_heads=16, num_key_value_heads=16, head_dim=64, decoder_dim=1536)
+SHAPES = {  # talker, code predictor, Code2Wav decoder (public config values; the two sizes differ in the talker)
     "1.7B": (dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, text_vocab_size=151936, text_hidden_size=2048),
-             dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128),
-             dict(codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024,
-                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
-                  decoder_dim=1536)),
+             CODE_PREDICTOR, CODE2WAV),
     "0.6B": (dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, text_vocab_size=151936, text_hidden_size=2048),
-             dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128),
-             dict(codebook_dim=512, latent_dim=1024, hidden_size=512, intermediate_size=1024,
-                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
-                  decoder_dim=1536)),
+             CODE_PREDICTOR, CODE2WAV),
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, text_vocab_size=151936, text_hidden_size=32),
              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
