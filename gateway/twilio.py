@@ -23,9 +23,9 @@ import json
 import logging
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +57,27 @@ RATE: Final = 8000
 FRAME_MS: Final = 20
 CLOSE_POLICY: Final = 1008
 BargeInBy = Literal["caller", "agent"]
+
+
+class AgentSink(Protocol):
+    """Where a call's events for its agent go: the agent's WebSocket, or a link to the replica
+    that holds it (gateway.redis_calls)."""
+
+    async def send_text(self, data: str) -> None: ...
+
+
+AgentFrame = str | bytes | None  # a text or binary frame from the agent; None: it has gone
+
+
+class CallRouter(Protocol):
+    """With several replicas: the call directory and the relay of a control channel that lands on
+    a replica other than the one holding the call's media stream (gateway.redis_calls)."""
+
+    def call_started(self, call_sid: str) -> None: ...
+
+    def call_ended(self, call_sid: str, reason: str) -> None: ...
+
+    async def serve_agent(self, websocket: WebSocket, call_sid: str) -> None: ...
 
 
 # -- options and the inbound VAD --------------------------------------------------------------
@@ -179,8 +200,9 @@ class Call:
         self.stream_sid: str | None = None
         self.start_info: dict[str, Any] = {}
         self.twilio: WebSocket | None = None
-        self.agent: WebSocket | None = None
+        self.agent: AgentSink | None = None
         self.ended = False
+        self.end_reason: str | None = None
         self.voice: str | None = None
         self.language = "Auto"
         self.instructions: str | None = None
@@ -390,8 +412,8 @@ class Call:
         if self.agent is not None:
             self._to_agent.put_nowait(encode(message))
 
-    def attach_agent(self, websocket: WebSocket) -> None:
-        self.agent = websocket
+    def attach_agent(self, sink: AgentSink) -> None:
+        self.agent = sink
         self._to_agent = asyncio.Queue()
         if self.stream_sid is not None:
             self.to_agent(self._call_started())
@@ -400,13 +422,13 @@ class Call:
         self.agent = None
         self._to_agent.put_nowait(None)
 
-    async def write_agent(self, websocket: WebSocket) -> None:
+    async def write_agent(self, sink: AgentSink) -> None:
         queue = self._to_agent
         while True:
             item = await queue.get()
             if item is None:
                 return
-            await websocket.send_text(item)
+            await sink.send_text(item)
 
     def on_agent(self, frame: str) -> None:
         try:
@@ -541,6 +563,7 @@ class Call:
         if self.ended:
             return
         self.ended = True
+        self.end_reason = reason
         for utt in self.utterances.values():
             if utt.active:
                 self._stop(utt, "failed")
@@ -554,7 +577,9 @@ class Call:
 
 
 class TwilioGateway:
-    """The calls in progress, by callSid, and the two WebSocket endpoints."""
+    """The calls in progress, by callSid, and the two WebSocket endpoints. With a `router`
+    (several replicas behind one front) the call directory is kept in Redis and a control channel
+    for a call held elsewhere is relayed to its owner."""
 
     def __init__(self, engine: Engine, config: GatewayConfig, webhooks: WebhookSender,
                  options: TwilioOptions | None = None) -> None:
@@ -563,6 +588,7 @@ class TwilioGateway:
         self.webhooks = webhooks
         self.options = options or TwilioOptions()
         self.calls: dict[str, Call] = {}
+        self.router: CallRouter | None = None
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -576,6 +602,11 @@ class TwilioGateway:
             call = Call(call_sid, self.engine, self.config, self.options, self.webhooks)
             self.calls[call_sid] = call
         return call
+
+    def owned(self, call_sid: str) -> Call | None:
+        """The live call whose media stream this replica holds."""
+        call = self.calls.get(call_sid)
+        return call if call is not None and call.twilio is not None and not call.ended else None
 
     def _forget(self, call: Call) -> None:
         if self.calls.get(call.call_sid) is call and call.twilio is None and call.agent is None:
@@ -601,11 +632,14 @@ class TwilioGateway:
                     call_sid = str((message.get("start") or {}).get("callSid") or message.get("streamSid") or "")
                     call = self._call(call_sid)
                     if call.twilio is not None:
+                        call = None
                         await websocket.close(CLOSE_POLICY, "this call already has a media stream")
                         return
                     call.twilio = websocket
                     call.on_start(message)
                     writer = loop.create_task(call.write_twilio(websocket))
+                    if self.router is not None:
+                        self.router.call_started(call_sid)
                     continue
                 call.on_twilio(message, loop.time())
                 if call.ended:
@@ -617,6 +651,8 @@ class TwilioGateway:
                 call.end("disconnected")
                 call.twilio = None
                 self._forget(call)
+                if self.router is not None:
+                    self.router.call_ended(call.call_sid, call.end_reason or "disconnected")
             if writer is not None:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -627,13 +663,28 @@ class TwilioGateway:
 
     async def control(self, websocket: WebSocket) -> None:
         await websocket.accept()
-        call = self._call(str(websocket.path_params["call_sid"]))
+        call_sid = str(websocket.path_params["call_sid"])
+        if self.router is not None and self.owned(call_sid) is None:
+            await self.router.serve_agent(websocket, call_sid)  # held elsewhere, or not yet started
+            return
+        call = self._call(call_sid)
         if call.agent is not None:
             await websocket.close(CLOSE_POLICY, "this call already has an agent")
             return
         call.attach_agent(websocket)
-        writer = asyncio.get_running_loop().create_task(call.write_agent(websocket))
-        reader = asyncio.get_running_loop().create_task(self._read_agent(call, websocket))
+        try:
+            await self.run_agent(call, websocket, lambda: _next_frame(websocket))
+        finally:
+            if websocket.application_state is WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await websocket.close()
+
+    async def run_agent(self, call: Call, sink: AgentSink, next_frame: Callable[[], Awaitable[AgentFrame]]) -> None:
+        """Serve an agent already attached to `call` (`call.attach_agent(sink)`): its frames go to
+        the call, the call's events to `sink`, until either side is done."""
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(call.write_agent(sink))
+        reader = loop.create_task(self._read_agent(call, next_frame))
         try:
             await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -641,23 +692,29 @@ class TwilioGateway:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            if call.agent is websocket:
+            if call.agent is sink:
                 call.agent = None
             self._forget(call)
-            if websocket.application_state is WebSocketState.CONNECTED:
-                with contextlib.suppress(Exception):
-                    await websocket.close()
 
-    async def _read_agent(self, call: Call, websocket: WebSocket) -> None:
+    async def _read_agent(self, call: Call, next_frame: Callable[[], Awaitable[AgentFrame]]) -> None:
         while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
+            frame = await next_frame()
+            if frame is None:
                 return
-            if message.get("text") is not None:
-                call.on_agent(message["text"])
-            elif message.get("bytes") is not None:
+            if isinstance(frame, str):
+                call.on_agent(frame)
+            else:
                 call._error("binary_not_supported", "binary frames from the agent are not accepted")
 
     async def close(self) -> None:
         for call in list(self.calls.values()):
             call.end("server shutting down")
+
+
+async def _next_frame(websocket: WebSocket) -> AgentFrame:
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        return None
+    if message.get("text") is not None:
+        return str(message["text"])
+    return bytes(message.get("bytes") or b"")
