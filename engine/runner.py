@@ -28,13 +28,21 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
+from engine.models import decode_attention
 from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
 from engine.plan import CodecChunk, PrefillChunk, StepOutput, StepPlan
 from engine.prefix_cache import PrefixKVCache
 from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
-from engine.sampler import SEED_MASK, SamplingParams, mask_talker_logits, sample, suppression_mask
+from engine.sampler import (
+    SEED_MASK,
+    SamplingParams,
+    mask_talker_logits,
+    sample,
+    suppression_mask,
+    top_k_within_bound,
+)
 
 
 @dataclass(slots=True)
@@ -75,6 +83,9 @@ class RunnerConfig:
     max_batch: int = 64  # rows per talker decode / sampling step
     max_trailing: int = 256  # text-track positions per segment
     kv_buckets: tuple[int, ...] = ()  # attention lengths captured for decode (max_len + 1 always)
+    # talker decode attention reads each row's own positions from its slot (Triton kernel, CUDA):
+    # one graph per batch size serves every length, and no bucket of the cache is gathered
+    decode_kernel: bool = True
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
     max_codec_batch: int = 64
     enforce_eager: bool = False
@@ -175,6 +186,7 @@ class Runner:
         # per-slot tables
         self.trail = torch.zeros(slots, config.max_trailing + 1, h, device=dev, dtype=self.dtype)
         self.trail_len = [0] * slots
+        self.bounded = [True] * slots  # the slot's top_k settings fit the bounded sampler (host copy)
         self.last_codes = torch.zeros(slots, self.groups, dtype=torch.long, device=dev)
         self.seen = torch.zeros(slots, tc.vocab_size, dtype=torch.bool, device=dev)
         self.p_float = torch.ones(slots, 5, device=dev)  # temperature, top_p, rep penalty, sub temp, sub top_p
@@ -197,7 +209,9 @@ class Runner:
         cuda = dev.type == "cuda"
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
         self.batches = batch_buckets(mb)
-        self.kv_buckets = sorted({k for k in config.kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
+        self.decode_kernel = config.decode_kernel and decode_attention.available(dev)
+        kv_buckets = () if self.decode_kernel else config.kv_buckets
+        self.kv_buckets = sorted({k for k in kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
         self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
         # Code2Wav graphs replay on their own stream, concurrently with the talker's: they must not
         # share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
@@ -303,7 +317,10 @@ class Runner:
         def fn() -> None:
             slots, positions, text_index = self.d_meta[0, :b], self.d_meta[1, :b], self.d_meta[2, :b]
             embeds = self.talker.frame_embedding(self.last_codes[slots]) + self.trail[slots, text_index]
-            out = self.talker(embeds[:, None], positions[:, None], self.cache, slots, k)
+            lengths = None
+            if self.decode_kernel:  # padded rows (the dummy slot) read one position, not the whole slot
+                lengths = torch.where(slots == self.dummy, 1, positions + 1)
+            out = self.talker(embeds[:, None], positions[:, None], self.cache, slots, k, lengths)
             self.d_hidden[:b].copy_(out[:, 0])
 
         return fn
@@ -366,6 +383,7 @@ class Runner:
         self.p_float[slot] = torch.tensor(floats, dtype=torch.float32)
         self.p_int[slot] = torch.tensor(ints, dtype=torch.long)
         self.p_bool[slot] = torch.tensor([s.greedy, s.sub_greedy])
+        self.bounded[slot] = top_k_within_bound(s.top_k, s.greedy) and top_k_within_bound(s.sub_top_k, s.sub_greedy)
         self.seen[slot] = False
         if c.codes:
             first = torch.tensor([f[0] for f in c.codes], dtype=torch.long, device=self.device)
@@ -381,10 +399,11 @@ class Runner:
         host = [list(cols[0]) + [self.dummy] * pad, list(cols[1]) + [0] * pad, list(cols[2]) + [0] * pad]
         self.s_meta[:, :b].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         self.s_hidden[:n].copy_(hidden)
-        self.graphs.run(("sample", b), self._sample_fn(b))
+        bounded = all(self.bounded[slot] for slot in cols[0])
+        self.graphs.run(("sample", b, bounded), self._sample_fn(b, bounded))
         return self.s_codes[:n].cpu().tolist()  # the step's one host read of sampled codes
 
-    def _sample_fn(self, b: int) -> Callable[[], None]:
+    def _sample_fn(self, b: int, bounded: bool) -> Callable[[], None]:
         def fn() -> None:
             slots, step, counter = self.s_meta[0, :b], self.s_meta[1, :b], self.s_meta[2, :b]
             hidden = self.s_hidden[:b]
@@ -401,11 +420,11 @@ class Runner:
                 end_at=pi[:, 4],
             )
             talker_params = SamplingParams(temperature=pf[:, 0], top_k=pi[:, 0], top_p=pf[:, 1], greedy=pb[:, 0])
-            first = sample(logits, talker_params, seed, counter)
+            first = sample(logits, talker_params, seed, counter, bounded)
             # a device-side True: a Python scalar would be a host copy, illegal inside a graph
             self.seen.index_put_((slots, first), self.s_true[:b])
             sub = SamplingParams(temperature=pf[:, 3], top_k=pi[:, 1], top_p=pf[:, 4], greedy=pb[:, 1])
-            codes = self.talker.predict_codes(hidden, first, sub, seed, counter, self.cp_cache)
+            codes = self.talker.predict_codes(hidden, first, sub, seed, counter, self.cp_cache, bounded)
             self.last_codes[slots] = codes
             self.s_codes[:b].copy_(codes)
 
@@ -506,7 +525,7 @@ class Runner:
         """Every graph, largest first within each kind."""
         keys: list[tuple[object, ...]] = []
         keys += [("decode", b, k) for b in reversed(self.batches) for k in reversed(self.kv_buckets)]
-        keys += [("sample", b) for b in reversed(self.batches)]
+        keys += [("sample", b, bounded) for bounded in (True, False) for b in reversed(self.batches)]
         keys += [
             ("codec", b, f)
             for b in reversed(self.codec_batches)
@@ -525,7 +544,7 @@ class Runner:
             if key[0] == "decode":
                 fn = self._decode_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             elif key[0] == "sample":
-                fn = self._sample_fn(int(key[1]))  # type: ignore[call-overload]
+                fn = self._sample_fn(int(key[1]), bool(key[2]))  # type: ignore[call-overload]
             else:
                 fn = self._codec_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             bank = self.codec_graphs if key[0] == "codec" else self.graphs

@@ -40,18 +40,28 @@ def mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seed: Tensor, counter: Tensor, size: int) -> Tensor:
-    """seed [B] int64 (>= 0), counter [B] int64 -> uniform float32 in (0, 1), [B, size]."""
+def uniform_noise_at(seed: Tensor, counter: Tensor, index: Tensor) -> Tensor:
+    """seed [B] int64 (>= 0), counter [B] int64, vocabulary indices [B, K] or [K]
+    -> uniform float32 in (0, 1) for those (row, index) cells, [B, K]."""
     h = mix32(seed & _MASK32)
     h = mix32(h ^ ((seed >> 32) & _MASK32))
     h = mix32(h ^ (counter & _MASK32))
-    index = mix32(torch.arange(size, device=seed.device, dtype=torch.int64) + 0x632BE5AB)
-    bits = mix32(h[:, None] ^ index[None, :]) >> 8  # 24 bits
+    cell = mix32(index + 0x632BE5AB)
+    bits = mix32(h[:, None] ^ (cell if cell.dim() == 2 else cell[None, :])) >> 8  # 24 bits
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform_noise(seed: Tensor, counter: Tensor, size: int) -> Tensor:
+    """The noise of every vocabulary index, [B, size]."""
+    return uniform_noise_at(seed, counter, torch.arange(size, device=seed.device, dtype=torch.int64))
 
 
 def gumbel_noise(seed: Tensor, counter: Tensor, size: int) -> Tensor:
     return -torch.log(-torch.log(uniform_noise(seed, counter, size)))
+
+
+def gumbel_noise_at(seed: Tensor, counter: Tensor, index: Tensor) -> Tensor:
+    return -torch.log(-torch.log(uniform_noise_at(seed, counter, index)))
 
 
 @dataclass
@@ -95,13 +105,33 @@ def filter_top_k_top_p(scores: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return scores.masked_fill(drop, _NEG_INF)
 
 
-def sample(logits: Tensor, params: SamplingParams, seed: Tensor, counter: Tensor) -> Tensor:
-    """logits [B, V] (already penalised/masked) -> ids [B]. Greedy rows take the argmax."""
+TOP_K_BOUND = 64  # the candidate-set size of the bounded sampler (upstream's default top_k is 50)
+
+
+def top_k_within_bound(top_k: int, greedy: bool = False) -> bool:
+    """Whether a row can use the bounded sampler (greedy rows ignore top_k)."""
+    return greedy or 1 <= top_k <= TOP_K_BOUND
+
+
+def sample(
+    logits: Tensor, params: SamplingParams, seed: Tensor, counter: Tensor, bounded: bool = False
+) -> Tensor:
+    """logits [B, V] (already penalised/masked) -> ids [B]. Greedy rows take the argmax.
+
+    bounded: every sampling row has 1 <= top_k <= TOP_K_BOUND (the caller checks on the host), so
+    only the TOP_K_BOUND best candidates can be drawn: filtering and noise run on those alone, with
+    the same noise per (row, index) and so the same draws as the full-vocabulary path."""
     scores = logits.float()
     greedy_ids = scores.argmax(dim=-1)
     scaled = scores / params.temperature[:, None]
-    filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
-    sampled_ids = (filtered + gumbel_noise(seed, counter, scores.shape[-1])).argmax(dim=-1)
+    if bounded:
+        values, index = scaled.topk(min(TOP_K_BOUND, scores.shape[-1]), dim=-1)
+        filtered = filter_top_k_top_p(values, params.top_k, params.top_p)
+        best = (filtered + gumbel_noise_at(seed, counter, index)).argmax(dim=-1, keepdim=True)
+        sampled_ids = index.gather(1, best)[:, 0]
+    else:
+        filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
+        sampled_ids = (filtered + gumbel_noise(seed, counter, scores.shape[-1])).argmax(dim=-1)
     return torch.where(params.greedy, greedy_ids, sampled_ids)
 
 

@@ -113,12 +113,19 @@ def run_batch(runner: Runner, cfg, args: argparse.Namespace, b: int) -> dict:
     )
 
 
-def time_replay(runner: Runner, key: tuple, iters: int = 20) -> float:
+def time_replay(runner: Runner, key: tuple, iters: int = 20, position: int | None = None) -> float:
+    """Replay one graph alone; decode and sampling rows are real slots (at `position` for decode)."""
     bank = runner.codec_graphs if key[0] == "codec" else runner.graphs
     graph = bank.graphs.get(key)
     if graph is None or runner.device.type != "cuda":
         return float("nan")
     runner._reset_static_inputs()
+    b = int(key[1])
+    if key[0] in ("decode", "sample") and b <= runner.config.num_slots:
+        meta = runner.d_meta if key[0] == "decode" else runner.s_meta
+        meta[0, :b] = torch.arange(b, device=runner.device)
+        if key[0] == "decode":
+            meta[1, :b] = runner.config.max_len - 1 if position is None else position
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
@@ -136,8 +143,10 @@ def breakdown(runner: Runner, b: int) -> dict:
     k = runner.kv_buckets[-1]
     cb = bucket_for(min(b, runner.config.max_codec_batch), runner.codec_batches)
     return dict(
-        talker_ms=time_replay(runner, ("decode", bb, k)),
-        predictor_ms=time_replay(runner, ("sample", bb)),
+        talker_ms=time_replay(runner, ("decode", bb, k)),  # every row at the last position
+        talker_ms_mid=time_replay(runner, ("decode", bb, k), position=runner.config.max_len // 2),
+        predictor_ms=time_replay(runner, ("sample", bb, True)),
+        predictor_ms_full_vocab=time_replay(runner, ("sample", bb, False)),
         codec_ms_4f=time_replay(runner, ("codec", cb, 4)),
     )
 
@@ -196,11 +205,12 @@ def main() -> None:
           f"({runner.kv_bytes_per_token} B/token, max_len {args.max_len}); "
           f"codec state per stream {runner.codec.state_bytes_per_slot() / 2**20:.2f} MiB")
     print(f"\n{'B':>4} {'step ms':>8} {'steps/s':>8} {'frames/s':>9} {'RT streams':>10} {'TTFA p50':>9} "
-          f"{'talker':>7} {'pred':>7} {'codec4f':>7}")
+          f"{'talker':>7} {'tlk mid':>7} {'pred':>7} {'pred fv':>7} {'codec4f':>7}")
     for r in rows:
         print(f"{r['batch']:>4} {r['step_ms']:>8.2f} {r['steps_per_s']:>8.1f} {r['frames_per_s']:>9.0f} "
               f"{r['streams_rt']:>10.0f} {r['ttfa_ms_p50']:>9.1f} {r['talker_ms']:>7.2f} "
-              f"{r['predictor_ms']:>7.2f} {r['codec_ms_4f']:>7.2f}")
+              f"{r['talker_ms_mid']:>7.2f} {r['predictor_ms']:>7.2f} {r['predictor_ms_full_vocab']:>7.2f} "
+              f"{r['codec_ms_4f']:>7.2f}")
 
 
 if __name__ == "__main__":

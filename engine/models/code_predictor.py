@@ -59,26 +59,28 @@ class CodePredictor(nn.Module):
         seed: Tensor,
         counter: Tensor,
         cache: KVCache | None = None,
+        bounded: bool = False,
     ) -> Tensor:
         """talker_hidden [B, H] (last talker hidden state), first_embed [B, H] (talker codec embedding
         of the codebook-0 code) -> codes [B, G-1] for codebooks 1..G-1.
 
         counter [B]: the row's noise counter for this frame; codebook j draws with counter + j.
-        cache: a cache from `allocate_cache` with at least B slots (allocated when None)."""
+        cache: a cache from `allocate_cache` with at least B slots (allocated when None).
+        bounded: every sampling row's top_k is within the bounded sampler's set (engine.sampler)."""
         b = talker_hidden.shape[0]
         if cache is None:
             cache = self.allocate_cache(b, talker_hidden.device, talker_hidden.dtype)
-        slots = torch.arange(b, device=talker_hidden.device)
+        # row i uses cache row i and all rows share positions: the cache is read and written as slices
         x = self.small_to_mtp_projection(torch.stack((talker_hidden, first_embed), dim=1))
         positions = torch.arange(2, device=x.device).expand(b, 2)
-        hidden = self.model.run_layers(x, positions, cache, slots, self.cache_len)
+        hidden = self.model.run_layers(x, positions, cache, None, 2)
         codes = []
-        ids = sample(self.lm_head[0](hidden[:, -1]), params, seed, counter + 1)
+        ids = sample(self.lm_head[0](hidden[:, -1]), params, seed, counter + 1, bounded)
         codes.append(ids)
         for group in range(1, self.num_groups - 1):
             x = self.small_to_mtp_projection(self.embed_group(group, ids)[:, None])
             positions = torch.full((b, 1), group + 1, device=x.device, dtype=torch.int64)
-            hidden = self.model.run_layers(x, positions, cache, slots, self.cache_len)
-            ids = sample(self.lm_head[group](hidden[:, 0]), params, seed, counter + group + 1)
+            hidden = self.model.run_layers(x, positions, cache, None, group + 2)
+            ids = sample(self.lm_head[group](hidden[:, 0]), params, seed, counter + group + 1, bounded)
             codes.append(ids)
         return torch.stack(codes, dim=1)

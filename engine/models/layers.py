@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import decode_attention
 from engine.models.config import DecoderShape
 
 
@@ -101,29 +102,64 @@ class Attention(nn.Module):
         sin: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        slots: Tensor,
+        slots: Tensor | None,
         positions: Tensor,
         kv_len: int,
+        lengths: Tensor | None = None,
     ) -> Tensor:
-        """x [B, T, H]; k_cache/v_cache [slots, kv_heads, max_len, D] (one layer); slots [B];
-        positions [B, T]; kv_len: static bound on the positions attended (<= max_len)."""
+        """x [B, T, H]; k_cache/v_cache [slots, kv_heads, max_len, D] (one layer); positions [B, T].
+
+        slots [B]: each row's cache slot; positions 0..kv_len-1 bound what is attended (kv_len static).
+        slots None: row i owns cache row i and every row's tokens sit at positions kv_len-T..kv_len-1
+        (the code predictor's frame loop), so the cache is written and read as plain slices.
+        lengths [B] (one token per row, CUDA): each row attends its first lengths[row] positions,
+        read straight from its slot by the decode kernel (no gathered copy)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if slots is None:
+            out = self._attend_own_rows(q, k, v, k_cache, v_cache, kv_len)
+        else:
+            row = slots[:, None]
+            k_cache[row, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+            v_cache[row, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+            if lengths is not None and t == 1 and decode_attention.available(x.device):
+                out = decode_attention.decode_attention(
+                    q[:, :, 0], k_cache, v_cache, slots, lengths, self.head_dim**-0.5
+                )[:, :, None]
+            else:
+                out = self._attend_gathered(q, k_cache, v_cache, slots, positions, kv_len)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-        row = slots[:, None]
-        k_cache[row, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[row, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+    def _attend_gathered(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, kv_len: int
+    ) -> Tensor:
         keys = k_cache[slots, :, :kv_len].to(q.dtype)
         values = v_cache[slots, :, :kv_len].to(q.dtype)
-        key_pos = torch.arange(kv_len, device=x.device)
+        key_pos = torch.arange(kv_len, device=q.device)
         allowed = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, kv_len]
         # grouped-query attention without materialising repeated keys and values
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _attend_own_rows(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: int) -> Tensor:
+        """Rows 0..B-1 at shared positions kv_len-T..kv_len-1: slice writes, slice reads, and the
+        attention as two small batched matmuls (a handful of keys; SDPA's kernels cost more here)."""
+        b, _, t, d = q.shape
+        k_cache[:b, :, kv_len - t : kv_len] = k.to(k_cache.dtype)
+        v_cache[:b, :, kv_len - t : kv_len] = v.to(v_cache.dtype)
+        keys, values = k_cache[:b, :, :kv_len].to(q.dtype), v_cache[:b, :, :kv_len].to(q.dtype)
+        group = self.num_heads // self.num_kv_heads
+        grouped = q.reshape(b, self.num_kv_heads, group * t, d)  # query heads of one kv head together
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.head_dim**-0.5
+        if t > 1:  # causal within the new tokens: query i sits at position kv_len - t + i
+            query_pos = torch.arange(kv_len - t, kv_len, device=q.device).repeat(group)
+            hidden = torch.arange(kv_len, device=q.device)[None, :] > query_pos[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1).to(q.dtype), values)
+        return out.reshape(b, self.num_heads, t, d)
 
 
 class SwiGLU(nn.Module):
@@ -152,11 +188,12 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        slots: Tensor,
+        slots: Tensor | None,
         positions: Tensor,
         kv_len: int,
+        lengths: Tensor | None = None,
     ) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, positions, kv_len)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, positions, kv_len, lengths)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -174,9 +211,12 @@ class DecoderStack(nn.Module):
         """Recompute the RoPE frequencies (after building on the meta device)."""
         self.inv_freq = rope_inv_freq(self.shape.head_dim, self.shape.rope_theta, device)
 
-    def run_layers(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, kv_len: int) -> Tensor:
-        """x [B, T, H] input embeddings -> final-normed hidden states [B, T, H]."""
+    def run_layers(
+        self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor | None, kv_len: int,
+        lengths: Tensor | None = None,
+    ) -> Tensor:
+        """x [B, T, H] input embeddings -> final-normed hidden states [B, T, H] (see Attention)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, kv_len)
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, kv_len, lengths)
         return self.norm(x)

@@ -66,10 +66,14 @@ class Talker(nn.Module):
         parts += [self.code_predictor.embed_group(g, codes[:, g]) for g in range(1, codes.shape[1])]
         return torch.stack(parts, dim=1).sum(dim=1)
 
-    def forward(self, embeds: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, kv_len: int) -> Tensor:
+    def forward(
+        self, embeds: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, kv_len: int,
+        lengths: Tensor | None = None,
+    ) -> Tensor:
         """embeds [B, T, H], positions [B, T] (padded entries at cache.scratch_position), slots [B]
-        -> final hidden states [B, T, H]. Writes the rows' keys/values into their cache slots."""
-        return self.model.run_layers(embeds, positions, cache, slots, kv_len)
+        -> final hidden states [B, T, H]. Writes the rows' keys/values into their cache slots.
+        lengths [B]: for one-token decode on CUDA, the positions each row attends (decode kernel)."""
+        return self.model.run_layers(embeds, positions, cache, slots, kv_len, lengths)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.codec_head(hidden)
@@ -82,8 +86,10 @@ class Talker(nn.Module):
         seed: Tensor,
         counter: Tensor,
         cache: KVCache | None = None,
+        bounded: bool = False,
     ) -> Tensor:
         """hidden [B, H] (the talker state that produced codebook 0), first_codes [B]
         -> all codebooks of the frame [B, G]."""
-        rest = self.code_predictor.generate(hidden, self.embed_codec(first_codes), params, seed, counter, cache)
+        first_embed = self.embed_codec(first_codes)
+        rest = self.code_predictor.generate(hidden, first_embed, params, seed, counter, cache, bounded)
         return torch.cat((first_codes[:, None], rest), dim=1)

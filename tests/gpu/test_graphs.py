@@ -73,21 +73,23 @@ def _eager_then_graph(runner: Runner, key, fn, out: torch.Tensor) -> tuple[torch
 
 
 def test_talker_decode_graph_equals_eager(runner):
-    b, k = 4, 32
+    b, k = 4, runner.kv_buckets[0]
     runner.d_meta[:, :b] = torch.tensor([[0, 3, 5, 8], [10, 20, 7, 64], [0, 0, 0, 0]], device="cuda")
     eager, graph = _eager_then_graph(runner, ("decode", b, k), runner._decode_fn(b, k), runner.d_hidden[:b])
     torch.testing.assert_close(graph, eager)
     assert eager.abs().sum() > 0
 
 
+@pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_sampling_and_code_predictor_graph_equals_eager(runner, greedy):
+def test_sampling_and_code_predictor_graph_equals_eager(runner, greedy, bounded):
     b = 4
     runner.p_bool[:] = greedy
     runner.p_float[:, 2] = 1.0  # no repetition penalty: the seen-mask update cannot change a rerun
     runner.s_meta[:, :b] = torch.tensor([[0, 1, 2, 8], [3, 3, 0, 0], [48, 48, 0, 0]], device="cuda")
     runner.s_hidden[:b].normal_()
-    eager, graph = _eager_then_graph(runner, ("sample", b), runner._sample_fn(b), runner.s_codes[:b])
+    key = ("sample", b, bounded)
+    eager, graph = _eager_then_graph(runner, key, runner._sample_fn(b, bounded), runner.s_codes[:b])
     assert torch.equal(graph, eager)  # per-row seeds: the same noise inside and outside the graph
     assert (eager[:, 1:] < 2048).all()
 

@@ -7,11 +7,13 @@ import torch
 
 from engine.generate import GenerationRequest, generate_codes
 from engine.sampler import (
+    TOP_K_BOUND,
     SamplingParams,
     apply_repetition_penalty,
     mask_talker_logits,
     sample,
     suppression_mask,
+    top_k_within_bound,
     uniform_noise,
 )
 
@@ -132,3 +134,25 @@ def test_forced_length_and_seeds_in_generation(bundles: dict) -> None:
     finally:
         with torch.no_grad():
             b.talker.codec_head.weight[2150] = saved
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_bounded_sampler_draws_what_the_full_vocabulary_sampler_draws(top_p: float) -> None:
+    torch.manual_seed(3)
+    n, vocab = 96, 2048
+    logits = torch.randn(n, vocab) * 3
+    top_k = torch.randint(1, 65, (n,)).tolist()
+    p = SamplingParams.build([0.9] * n, top_k, [top_p] * n, [False] * n, "cpu")
+    seeds, counters = torch.arange(n) * 7919, torch.arange(n) % 5
+    for step in range(4):
+        full = sample(logits, p, seeds, counters + step)
+        bounded = sample(logits, p, seeds, counters + step, bounded=True)
+        assert torch.equal(full, bounded)
+    # and the rows really sample: some draw other than the argmax
+    assert (full != logits.argmax(-1)).any()
+
+
+def test_bounded_sampler_is_only_claimed_for_top_k_within_the_bound() -> None:
+    assert top_k_within_bound(50) and top_k_within_bound(TOP_K_BOUND)
+    assert not top_k_within_bound(0) and not top_k_within_bound(TOP_K_BOUND + 1)
+    assert top_k_within_bound(0, greedy=True)
