@@ -220,7 +220,7 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
     if gateway.config.redis_url:  # replicas sharing voices, quotas and control (gateway.redis_state)
         from gateway.redis_state import Cluster
 
-        cluster = Cluster(gateway, gateway.config.redis_url, gateway.config.replica_id)
+        cluster = Cluster(gateway, gateway.config.redis_url, gateway.config.replica_id, twilio=twilio)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

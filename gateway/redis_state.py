@@ -42,6 +42,8 @@ from gateway.redis_voices import SharedVoiceRegistry
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
+    from gateway.redis_calls import CallRouter
+    from gateway.twilio import TwilioGateway
 
 log = logging.getLogger("cadence.redis")
 
@@ -99,7 +101,8 @@ class _DirectoryStream:
 
 
 class Cluster:
-    def __init__(self, gateway: Gateway, url: str, replica_id: str, prefix: str = PREFIX) -> None:
+    def __init__(self, gateway: Gateway, url: str, replica_id: str, prefix: str = PREFIX,
+                 twilio: TwilioGateway | None = None) -> None:
         self.gateway = gateway
         self.replica_id = replica_id
         self.prefix = prefix
@@ -111,6 +114,11 @@ class Cluster:
         gateway.voices = SharedVoiceRegistry(gateway.engine, gateway.config, self.redis, prefix)
         gateway.engine = DirectoryEngine(gateway.engine, self)
         self.voices: SharedVoiceRegistry = gateway.voices
+        self.calls: CallRouter | None = None  # Twilio calls: directory and control relay
+        if twilio is not None:
+            from gateway.redis_calls import CallRouter
+
+            self.calls = CallRouter(self.redis, replica_id, twilio, prefix)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._calls = itertools.count(1)
@@ -140,9 +148,13 @@ class Cluster:
         self._loops = [asyncio.create_task(self._heartbeat_loop()),
                        asyncio.create_task(self._listen_loop(subscribed))]
         await asyncio.wait_for(subscribed.wait(), wait_s)
+        if self.calls is not None:
+            await self.calls.start(wait_s)
         log.info("replica %s joined the cluster", self.replica_id)
 
     async def stop(self) -> None:
+        if self.calls is not None:
+            await self.calls.stop()
         for task in self._loops:
             task.cancel()
         for task in self._loops:

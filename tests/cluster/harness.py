@@ -92,10 +92,11 @@ class Cluster:
             self.redis = None
 
     # -- replicas -----------------------------------------------------------------------------
-    def start_replicas(self, count: int, engine: str, keys_file: Path, *extra: str) -> None:
+    def start_replicas(self, count: int, engine: str, keys_file: Path, *extra: str,
+                       env_extra: dict[str, str] | None = None) -> None:
         for i in range(count):
             port = free_port()
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
             env.pop("CADENCE_API_KEYS", None)
             process = subprocess.Popen(
                 [sys.executable, "-m", "cadence.cli", "serve", "--engine", engine, "--port", str(port),
