@@ -22,7 +22,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("model", None), help="Qwen3-TTS checkpoint directory")
     p.add_argument("--aligner", default=_env("aligner", None), help="Qwen3-ForcedAligner directory")
     p.add_argument("--device", default=_env("device", "auto"))
-    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=("auto", "float32", "bfloat16", "fp8"),
+                   help="fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9)")
     p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
                    help="no CUDA graphs")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))

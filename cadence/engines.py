@@ -17,7 +17,7 @@ class EngineOptions:
     model: str | None = None  # Qwen3-TTS checkpoint directory
     aligner: str | None = None  # Qwen3-ForcedAligner checkpoint directory
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "fp8" (bf16 + FP8 talker linears)
     eager: bool = False  # no CUDA graphs
     max_streams: int = 256  # concurrent streams the engine admits
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
@@ -97,6 +97,14 @@ def build_engine(options: EngineOptions) -> Engine:
         dtype_name = options.dtype
         if dtype_name == "auto":
             dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+        fp8 = dtype_name == "fp8"
+        if fp8:
+            from engine.models.fp8 import fp8_unsupported_reason
+
+            reason = fp8_unsupported_reason(device)
+            if reason:
+                raise SystemExit(f"--dtype fp8: {reason}")
+            dtype_name = "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
         batch = min(512, options.max_streams)
         if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
             kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
@@ -106,7 +114,12 @@ def build_engine(options: EngineOptions) -> Engine:
             max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu",
             kv_budget_bytes=kv_budget,
         )
-        return Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
+        engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
+        if fp8:  # before start(): the CUDA graphs are captured over the quantised layers
+            from engine.models.fp8 import DEFAULT_TARGETS, quantize_talker
+
+            quantize_talker(engine.talker, DEFAULT_TARGETS)
+        return engine
     raise SystemExit(f"unknown engine {options.name!r}; choose one of {', '.join(ENGINES)}")
 
 
