@@ -110,6 +110,8 @@ class CallRouter:
         await asyncio.wait_for(subscribed.wait(), wait_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        for call_sid in list(self._owned):  # streams not yet closed by the shutdown
+            self.call_ended(call_sid, "server shutting down")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._writes.join(), grace_s)  # ended calls recorded as such
         for task in [*self._loops, *self._tasks]:

@@ -3,6 +3,11 @@ throughput of 3 replicas behind nginx against 1 (null engine), on this machine.
 
     .venv/bin/python scripts/bench_cluster.py --out deploy/bench/cluster.json
 
+With --twilio: the added latency of the Twilio control channel relayed to the replica holding the
+call's media stream, against an agent on that replica (2 replicas, null engine):
+
+    .venv/bin/python scripts/bench_cluster.py --twilio --out deploy/bench/cluster-twilio.json
+
 Starts its own redis-server, nginx and `cadence serve --engine null` replicas on loopback ports
 (tests/cluster/harness.py, with the deploy/ configs).
 """
@@ -125,6 +130,55 @@ async def throughput(base: str, key: str, sessions: int, seconds: float) -> dict
             "packets_per_s": round(packets / wall, 1), "errors": errors, "ttfa": summary(ttfa) if ttfa else None}
 
 
+async def twilio_control_latency(cluster: Cluster, key: str, rounds: int) -> dict[str, Any]:
+    """Two calls whose media streams are on r1 (a simulated Twilio each); the agent of one is on
+    r1 (direct), the other's on r2 (relayed). Each round, on each call in turn: `speak.append` ->
+    `utterance.started`, then, once its audio flows, `speak.cancel` -> `utterance.interrupted`."""
+    from tests.twilio.simulator import TwilioSimulator
+
+    r1, r2 = cluster.replicas[0], cluster.replicas[1]
+    media = r1.http.replace("http", "ws") + f"/v1/twilio?token={key}"
+    headers = {"Authorization": f"Bearer {key}"}
+    times: dict[str, dict[str, list[float]]] = {w: {"append": [], "cancel": []} for w in ("direct", "relayed")}
+    async with TwilioSimulator(media, call_sid="CA-direct") as direct_sim, \
+            TwilioSimulator(media, call_sid="CA-relayed", stream_sid="MZ-relayed") as relayed_sim:
+        agents = {}
+        for where, replica, sid in (("direct", r1, "CA-direct"), ("relayed", r2, "CA-relayed")):
+            url = replica.http.replace("http", "ws") + f"/v1/twilio/control/{sid}"
+            agents[where] = await websockets.connect(url, additional_headers=headers, max_size=None)
+
+        async def until(ws: Any, kind: str, uid: str | None = None) -> None:
+            while True:
+                message = json.loads(await ws.recv())
+                if message["type"] == kind and (uid is None or message.get("utterance_id") == uid):
+                    return
+
+        for ws in agents.values():
+            await until(ws, "call.started")
+        for i in range(rounds):
+            for where, ws in agents.items():
+                uid = f"u{i}"
+                t0 = time.perf_counter()
+                await ws.send(json.dumps({"type": "speak.append", "utterance_id": uid, "text": LONG_TEXT}))
+                await until(ws, "utterance.started", uid)
+                times[where]["append"].append(time.perf_counter() - t0)
+                await asyncio.sleep(0.06)  # some audio on the line
+                t0 = time.perf_counter()
+                await ws.send(json.dumps({"type": "speak.cancel", "utterance_id": uid}))
+                await until(ws, "utterance.interrupted", uid)
+                times[where]["cancel"].append(time.perf_counter() - t0)
+        for ws in agents.values():
+            await ws.close()
+        assert direct_sim.log.clears and relayed_sim.log.clears  # the cancels reached the lines
+    result: dict[str, Any] = {"rounds": rounds}
+    for message in ("append", "cancel"):
+        direct, relayed = summary(times["direct"][message]), summary(times["relayed"][message])
+        result[message] = {"direct": direct, "relayed": relayed,
+                           "added_median_ms": round(relayed["median_ms"] - direct["median_ms"], 3),
+                           "added_p99_ms": round(relayed["p99_ms"] - direct["p99_ms"], 3)}
+    return result
+
+
 def start_cluster(workdir: Path, replicas: int, keys_line: str, with_nginx: bool) -> Cluster:
     keys_file = workdir / "keys"
     keys_file.write_text(keys_line + "\n")
@@ -142,10 +196,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=400, help="interrupts (half local, half cross-replica)")
     parser.add_argument("--sessions", type=int, default=64, help="concurrent sessions in the throughput run")
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--twilio", action="store_true",
+                        help="only the Twilio control channel: relayed against direct (--rounds per call)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     key, stored = new_key("bench", iterations=1_000)
     result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()}}
+    if args.twilio:
+        with tempfile.TemporaryDirectory() as tmp:
+            cluster = start_cluster(Path(tmp), 2, stored.line(), with_nginx=False)
+            try:
+                result["twilio_control"] = asyncio.run(twilio_control_latency(cluster, key, args.rounds))
+            finally:
+                cluster.stop()
+        result["machine"]["load_after"] = os.getloadavg()
+        return write(result, args.out)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "a").mkdir()
@@ -163,10 +228,14 @@ def main() -> int:
                 throughput(single.front, key, args.sessions, args.seconds))
         finally:
             single.stop()
+    return write(result, args.out)
+
+
+def write(result: dict[str, Any], out: str | None) -> int:
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
     return 0
 
 
