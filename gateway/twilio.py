@@ -673,7 +673,7 @@ class TwilioGateway:
             return
         call.attach_agent(websocket)
         try:
-            await self.run_agent(call, websocket, lambda: _next_frame(websocket))
+            await self.run_agent(call, websocket, lambda: next_agent_frame(websocket))
         finally:
             if websocket.application_state is WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):
@@ -711,7 +711,7 @@ class TwilioGateway:
             call.end("server shutting down")
 
 
-async def _next_frame(websocket: WebSocket) -> AgentFrame:
+async def next_agent_frame(websocket: WebSocket) -> AgentFrame:
     message = await websocket.receive()
     if message["type"] == "websocket.disconnect":
         return None

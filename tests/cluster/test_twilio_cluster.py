@@ -44,7 +44,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
     c = Cluster(workdir)
     try:
         c.start_redis()
-        c.start_replicas(2, "espeak", keys_file,
+        c.start_replicas(3, "espeak", keys_file,
                          env_extra={SECRET_ENV: SECRET, "CADENCE_CALL_WAIT_S": str(CALL_WAIT_S)})
         c.start_nginx()
         yield c, key
@@ -88,7 +88,7 @@ async def test_agent_on_another_replica_barges_in_and_the_owner_sends_one_webhoo
     cluster: tuple[Cluster, str], receiver: Receiver,  # noqa: F811
 ) -> None:
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, _ = c.replicas
     params = {"webhook_url": receiver.url}
     async with TwilioSimulator(media_url(r1.http, key), call_sid="CA-cross", custom_parameters=params) as sim:
         async with agent_at(r2.http, key, "CA-cross") as agent:
@@ -127,7 +127,7 @@ async def test_agent_on_another_replica_barges_in_and_the_owner_sends_one_webhoo
 
 async def test_caller_barge_in_dtmf_and_speech_events_reach_a_relayed_agent(cluster: tuple[Cluster, str]) -> None:
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, _ = c.replicas
     async with TwilioSimulator(media_url(r2.http, key), call_sid="CA-caller") as sim:
         async with agent_at(r1.http, key, "CA-caller") as agent:
             await agent.until("call.started")  # (events before an agent attaches are not kept for it)
@@ -148,7 +148,7 @@ async def test_caller_barge_in_dtmf_and_speech_events_reach_a_relayed_agent(clus
 
 async def test_agent_first_then_twilio_on_another_replica(cluster: tuple[Cluster, str]) -> None:
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, _ = c.replicas
     async with agent_at(r2.http, key, "CA-first") as agent:
         await agent.send(type="session.start", language="English")
         await agent.say("u1", "First things first.")  # held until the stream starts, then relayed
@@ -166,7 +166,7 @@ async def test_agent_first_then_twilio_on_another_replica(cluster: tuple[Cluster
 
 async def test_agent_first_then_twilio_on_the_same_replica(cluster: tuple[Cluster, str]) -> None:
     c, key = cluster
-    r1, _ = c.replicas
+    r1, _, _ = c.replicas
     async with agent_at(r1.http, key, "CA-same") as agent:
         await agent.say("u1", "Right here.")
         async with TwilioSimulator(media_url(r1.http, key), call_sid="CA-same"):
@@ -176,7 +176,7 @@ async def test_agent_first_then_twilio_on_the_same_replica(cluster: tuple[Cluste
 
 async def test_no_stream_a_late_agent_and_a_second_agent(cluster: tuple[Cluster, str]) -> None:
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, _ = c.replicas
     began = time.monotonic()
     async with agent_at(r2.http, key, "CA-never") as agent:
         error = await agent.until("error", timeout_s=CALL_WAIT_S + 5)
@@ -197,7 +197,7 @@ async def test_no_stream_a_late_agent_and_a_second_agent(cluster: tuple[Cluster,
 
 async def test_the_owner_learns_that_a_relayed_agent_left(cluster: tuple[Cluster, str]) -> None:
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, _ = c.replicas
     async with TwilioSimulator(media_url(r1.http, key), call_sid="CA-leave") as sim:
         async with agent_at(r2.http, key, "CA-leave") as agent:
             await agent.until("call.started")
@@ -219,10 +219,30 @@ async def test_through_nginx(cluster: tuple[Cluster, str]) -> None:
             await agent.until("utterance.played", utterance_id="u1")
 
 
-async def test_owner_killed_mid_call_ends_the_relayed_agent(cluster: tuple[Cluster, str]) -> None:
-    """Last in this module: it kills r1."""
+async def test_the_owner_detaches_an_agent_whose_replica_died(cluster: tuple[Cluster, str]) -> None:
+    """Kills r3 (the relay); the next test kills r1."""
     c, key = cluster
-    r1, r2 = c.replicas
+    r1, r2, r3 = c.replicas
+    async with TwilioSimulator(media_url(r1.http, key), call_sid="CA-relay-dies"):
+        async with agent_at(r3.http, key, "CA-relay-dies") as doomed:
+            await doomed.until("call.started")
+            c.kill(r3)
+            killed_at = time.monotonic()
+        while True:  # refused (1008: the call still has an agent) until the owner gives up on it
+            async with agent_at(r2.http, key, "CA-relay-dies") as agent:
+                with contextlib.suppress(TimeoutError):
+                    await agent.until("call.started", timeout_s=1)
+                    break
+            assert time.monotonic() - killed_at < 8, "the owner kept the dead relay's agent"
+            await asyncio.sleep(0.2)
+        took = time.monotonic() - killed_at
+    assert 2.5 < took < 8
+
+
+async def test_owner_killed_mid_call_ends_the_relayed_agent(cluster: tuple[Cluster, str]) -> None:
+    """Last in this module: it kills r1 (r3 is already gone)."""
+    c, key = cluster
+    r1, r2, _ = c.replicas
     owner: Replica = r1
     async with TwilioSimulator(media_url(owner.http, key), call_sid="CA-killed"):
         async with agent_at(r2.http, key, "CA-killed") as agent:

@@ -4,6 +4,7 @@ real uvicorn, and the agent on `WS /v1/twilio/control/{callSid}`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -198,3 +199,24 @@ async def test_text_before_the_call_and_utterances_in_order(espeak_gateway: Runn
     assert not [n for n in names if n.startswith("u3/")]
     played = [m["utterance_id"] for m in agent.of_type("utterance.played")]
     assert played == ["u1", "u2"]
+
+
+async def test_a_second_media_stream_for_a_call_is_refused_and_the_first_goes_on(
+    espeak_gateway: RunningGateway,
+) -> None:
+    import websockets
+
+    async with TwilioSimulator(twilio_url(espeak_gateway), call_sid="CA-dup") as sim:
+        async with agent_for(espeak_gateway, "CA-dup") as agent:
+            await agent.until("call.started")
+            intruder = TwilioSimulator(twilio_url(espeak_gateway), call_sid="CA-dup", stream_sid="MZ-other")
+            await intruder.__aenter__()
+            assert intruder._ws is not None
+            await asyncio.wait_for(intruder._ws.wait_closed(), 5)
+            assert intruder._ws.close_code == 1008
+            with contextlib.suppress(websockets.ConnectionClosed):
+                await intruder.stop()
+            await agent.say("u1", SHORT)
+            await agent.until("utterance.played", utterance_id="u1")
+    # (before the fix, the refused stream's clean-up ended the first one's call: no utterance.played)
+    assert sim.log.played_marks()[-1] == "u1/end"
