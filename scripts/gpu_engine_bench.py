@@ -45,7 +45,9 @@ def model_config(tiny: bool) -> tuple[dict, dict]:
 def build(args: argparse.Namespace, max_batch: int) -> tuple[Runner, object]:
     raw, codec_cfg = model_config(args.tiny)
     cfg = parse_config(raw)
-    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+    fp8 = args.dtype == "fp8"  # bf16 (fp32 on the CPU), then the chosen linears in FP8
+    dtype = (torch.float32 if dev.type == "cpu" else torch.bfloat16) if fp8 else getattr(torch, args.dtype)
     torch.manual_seed(0)
     with torch.device(dev):
         talker = Talker(cfg.talker).to(dtype).eval()
@@ -54,6 +56,10 @@ def build(args: argparse.Namespace, max_batch: int) -> tuple[Runner, object]:
             if name.endswith("embedding_sum"):
                 p.normal_()
     talker.reset_rope(dev)
+    if fp8:
+        from engine.models.fp8 import DEFAULT_TARGETS, quantize_talker
+
+        quantize_talker(talker, getattr(args, "fp8_targets", DEFAULT_TARGETS))
     codec.quantizer.refresh()
     runner = Runner(talker, codec, cfg, RunnerConfig(
         num_slots=max_batch, max_len=args.max_len, codec_slots=max_batch, max_batch=max_batch,
@@ -172,7 +178,7 @@ def main() -> None:
     ap.add_argument("--kv-buckets", type=int, nargs="*", default=[128, 256])
     ap.add_argument("--max-codec-batch", type=int, default=64)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | fp8 (bf16 + FP8 talker linears)")
     ap.add_argument("--codec-dtype", default="float32")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tiny", action="store_true")

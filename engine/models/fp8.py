@@ -19,6 +19,7 @@ reporting the model's compute dtype, and `.to(dtype)` moves them between devices
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -93,7 +94,7 @@ class SharedInput:
     __slots__ = ("source", "version", "quantized")
 
     def __init__(self) -> None:
-        self.source: Tensor | None = None
+        self.source: weakref.ref[Tensor] | None = None  # weak: a finished input is not kept alive
         self.version = -1
         self.quantized: tuple[Tensor, Tensor] | None = None
 
@@ -102,10 +103,11 @@ class SharedInput:
         made by the callers are new objects, so callers pass the tensor they were given)."""
         if x.is_inference():  # no version counter: share nothing
             return quantizer(x)
-        if self.quantized is not None and self.source is x and self.version == x._version:
+        if self.source is not None and self.source() is x and self.version == x._version:
+            assert self.quantized is not None
             return self.quantized
         self.quantized = quantizer(x)
-        self.source, self.version = x, x._version
+        self.source, self.version = weakref.ref(x), x._version
         return self.quantized
 
     def clear(self) -> None:

@@ -397,3 +397,35 @@ def test_gpu_fp8_linear_replays_in_a_cuda_graph():
         graph.replay()
         torch.testing.assert_close(out, step())
         assert not torch.equal(out, eager)
+
+
+# -- the GPU benchmark's CPU smoke mode ------------------------------------------------------------
+def test_fp8_bench_smoke_mode_writes_every_figure(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from scripts import gpu_fp8_bench
+
+    out = tmp_path / "fp8.json"
+    monkeypatch.setattr(sys, "argv", [
+        "gpu_fp8_bench.py", "--tiny", "--device", "cpu", "--out", str(out), "--frames", "3", "--rows", "2",
+        "--prompt", "6", "--prefill-batch", "2", "--prefill-len", "8", "--variants", "talker",
+        "talker+code_predictor", "--engine-variants", "talker", "--engine-batches", "1", "2",
+        "--engine-frames", "3", "--engine-prompt", "6"])
+    gpu_fp8_bench.main()
+    result = json.loads(out.read_text())
+    assert set(result["logits"]) == {"bf16", "fp8:talker", "fp8:talker+code_predictor"}
+    bf16, fp8_talker = result["logits"]["bf16"], result["logits"]["fp8:talker"]
+    assert 0 < bf16["talker_vs_fp32"]["rel_err"] < fp8_talker["talker_vs_fp32"]["rel_err"] < 0.5
+    # the predictor is only quantised in the second variant
+    assert fp8_talker["predictor_vs_bf16"]["rel_err"] == 0.0
+    assert result["logits"]["fp8:talker+code_predictor"]["predictor_vs_bf16"]["rel_err"] > 0
+    assert set(result["logits_outliers"]) == set(result["logits"])
+    greedy = result["greedy"]["fp8:talker"]
+    assert len(greedy["free_vs_bf16"]["first_divergence"]) == 2 and 0 <= greedy["forced_vs_bf16"]["frames_equal"] <= 1
+    assert "forced_vs_fp32" in result["greedy"]["bf16"]
+    engine = result["engine"]
+    assert set(engine) == {"bf16", "fp8:talker"}
+    assert [r["batch"] for r in engine["fp8:talker"]["rows"]] == [1, 2]
+    assert all(r["frames"] == r["batch"] * 3 for r in engine["fp8:talker"]["rows"])
+    assert engine["fp8:talker"]["weight_bytes_saved"] > 0 == engine["bf16"]["fp8_layers"]
