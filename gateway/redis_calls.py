@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter
 from starlette.websockets import WebSocket, WebSocketState
 
 from gateway.messages import encode
@@ -78,7 +79,7 @@ class CallRouter:
     """The call directory and the control-channel relay of one replica (TwilioGateway.router)."""
 
     def __init__(self, redis: aioredis.Redis, replica_id: str, twilio: TwilioGateway, prefix: str,
-                 wait_s: float | None = None) -> None:
+                 wait_s: float | None = None, registry: CollectorRegistry | None = None) -> None:
         self.redis = redis
         self.replica_id = replica_id
         self.twilio = twilio
@@ -93,6 +94,10 @@ class CallRouter:
         self._writes: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()  # directory writes, in order
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        self.outcomes = Counter(
+            "cadence_twilio_control", "Twilio control channels that landed on a replica not holding the call, "
+            "by outcome (relayed, local, ended, not_found, busy, lost, unreachable)", ["outcome"],
+            registry=registry)
         twilio.router = self
 
     def channel_of(self, replica: str) -> str:
@@ -270,6 +275,8 @@ class CallRouter:
             entry = await self._find(call_sid, reader)
             if reader.done():
                 return  # the agent left while waiting
+            self.outcomes.labels("not_found" if entry is None else "ended" if entry["state"] == "ended"
+                                 else "local" if entry.get("replica") == self.replica_id else "relayed").inc()
             if entry is None:
                 await self._refuse(websocket, "call_not_found",
                                    f"no media stream for call {call_sid[:64]!r} started within {self.wait_s:g} s")
@@ -281,6 +288,7 @@ class CallRouter:
                 await self._relay(websocket, call_sid, str(entry.get("replica")), frames)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("control channel of %s: the store is unreachable (%s)", call_sid, exc)
+            self.outcomes.labels("unreachable").inc()
             await self._refuse(websocket, "internal", "the shared store is unreachable", CLOSE_INTERNAL)
         finally:
             reader.cancel()
@@ -348,6 +356,8 @@ class CallRouter:
         try:
             await self.send(owner, {"op": "attach", "link": link_id, "call": call_sid, "relay": self.replica_id})
             answer = await self._attach_answer(link)
+            if answer is None or answer.get("reason") == "busy":
+                self.outcomes.labels("lost" if answer is None else "busy").inc()
             if answer is None:
                 await self._refuse(websocket, "call_lost", "the replica holding this call does not answer",
                                    CLOSE_INTERNAL)
@@ -364,6 +374,7 @@ class CallRouter:
             tasks = [forward, deliver, self._spawn(self._ping(link_id, link))]
             await asyncio.wait({forward, deliver}, return_when=asyncio.FIRST_COMPLETED)
             if deliver.done() and not deliver.cancelled() and deliver.exception() is None and not deliver.result():
+                self.outcomes.labels("lost").inc()
                 message = "the replica holding this call stopped answering"
                 await _send(websocket, {"type": "error", "code": "call_lost", "message": message})
                 await _send(websocket, {"type": "call.ended", "call_sid": call_sid, "reason": "replica_lost"})

@@ -1,8 +1,9 @@
 """Several replicas as one service, through Redis (`cadence serve --redis URL`).
 
 `Cluster` plugs into a Gateway: per-key quotas counted across replicas (gateway.redis_quotas),
-the shared voice registry (gateway.redis_voices), a live-utterance directory, and control routed
-to the replica that holds an utterance's audio stream.
+the shared voice registry (gateway.redis_voices), a live-utterance directory, control routed
+to the replica that holds an utterance's audio stream, and the Twilio call directory and
+control-channel relay (gateway.redis_calls).
 
 Directory: every utterance opened on /v1/stream is written as `{prefix}utt:{key_id}:{utterance_id}`
 -> "{replica} {session_id}" (an hour; two minutes once it ends, so a late interrupt still finds it).
@@ -118,7 +119,7 @@ class Cluster:
         if twilio is not None:
             from gateway.redis_calls import CallRouter
 
-            self.calls = CallRouter(self.redis, replica_id, twilio, prefix)
+            self.calls = CallRouter(self.redis, replica_id, twilio, prefix, registry=gateway.metrics.registry)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._calls = itertools.count(1)

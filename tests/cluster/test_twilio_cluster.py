@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis as redis_sync
 import websockets
@@ -123,6 +125,10 @@ async def test_agent_on_another_replica_barges_in_and_the_owner_sends_one_webhoo
     assert body["call_sid"] == "CA-cross" and body["last_word"] == report["last_word"]
     ended = directory(c, "CA-cross")
     assert ended is not None and ended["state"] == "ended" and ended["replica"] == "r1"
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"{r2.http}/metrics", headers={"Authorization": f"Bearer {key}"})).text
+    relayed = re.search(r'(?m)^cadence_twilio_control_total\{outcome="relayed"\} ([0-9.]+)$', metrics)
+    assert relayed is not None and float(relayed.group(1)) >= 1
 
 
 async def test_caller_barge_in_dtmf_and_speech_events_reach_a_relayed_agent(cluster: tuple[Cluster, str]) -> None:
