@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.models import fused_snake  # noqa: E402
 from engine.models.codec import Code2Wav  # noqa: E402
 
 # speech_tokenizer decoder_config of the released 12 Hz tokenizer (research/baseline.md)
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--frames", default="1,2,4,8,25")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--snake", default="fused", help="SnakeBeta variants to time: fused, eager or both")
     ap.add_argument("--steps", type=int, default=20, help="timed graph replays per bucket")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
@@ -140,11 +142,12 @@ def main() -> None:
     frames = [int(x) for x in args.frames.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     results: list[dict[str, Any]] = []
-    for name in args.dtypes.split(","):
+    for name, snake in [(d, s) for d in args.dtypes.split(",") for s in args.snake.split(",")]:
+        fused_snake.enabled = snake == "fused"
         dtype = DTYPES[name]
         model = build(dtype, max(batches) + 1)
         params = sum(p.numel() for p in model.parameters())
-        print(f"\n== {name}: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot")
+        print(f"\n== {name}, {snake} SnakeBeta: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot")
         print(f"streamed vs offline (2 x 200 frames, chunks 1,2,4,8,25): max abs diff {streamed_equals_offline(model):.2e}")
         print(f"{'batch':>5} {'frames':>6} {'eager ms':>9} {'graph ms':>9} {'audio-s/s':>10} {'graph==eager':>13}")
         for b in sorted(batches, reverse=True):
@@ -155,7 +158,7 @@ def main() -> None:
                 except torch.cuda.OutOfMemoryError:
                     row = {"batch": b, "frames": f, "error": "out of memory"}
                     torch.cuda.empty_cache()
-                row.update(dtype=name, wall_s=round(time.perf_counter() - t0, 1),
+                row.update(dtype=name, snake=snake, wall_s=round(time.perf_counter() - t0, 1),
                            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 torch.cuda.reset_peak_memory_stats()
                 torch.cuda.empty_cache()

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import fused_snake
+
 
 @dataclass(frozen=True)
 class Code2WavConfig:
@@ -128,9 +130,11 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha.exp()[None, :, None]
-        inv_beta = 1.0 / (self.beta.exp()[None, :, None] + 1e-9)
-        return torch.addcmul(x, inv_beta, torch.sin(x * alpha).square())
+        alpha = self.alpha.exp()
+        inv_beta = 1.0 / (self.beta.exp() + 1e-9)
+        if fused_snake.available(x):
+            return fused_snake.snake(x, alpha, inv_beta)
+        return torch.addcmul(x, inv_beta[None, :, None], torch.sin(x * alpha[None, :, None]).square())
 
 
 class ConvNeXtBlock(nn.Module):

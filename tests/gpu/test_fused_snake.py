@@ -1,0 +1,27 @@
+"""The fused SnakeBeta kernel against the eager activation (skipped without CUDA/Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import fused_snake
+from engine.models.codec import SnakeBeta
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or fused_snake.triton is None:
+    pytest.skip("needs CUDA and Triton", allow_module_level=True)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_equals_eager(dtype, tol):
+    torch.manual_seed(0)
+    act = SnakeBeta(96).cuda()
+    with torch.no_grad():
+        act.alpha.normal_(0, 0.5)
+        act.beta.normal_(0, 0.5)
+    x = torch.randn(3, 96, 3001, device="cuda") * 3
+    expected = act(x.double()).float()  # the eager ops (fp64 is not fused)
+    assert not fused_snake.available(x.double())
+    got = act.to(dtype)(x.to(dtype)).float()
+    torch.testing.assert_close(got, expected, atol=tol * 3, rtol=tol)
