@@ -19,6 +19,8 @@ reporting the model's compute dtype, and `.to(dtype)` moves them between devices
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -223,9 +225,28 @@ def triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+# CADENCE_FP8_TRITON=0 quantises activations with the torch ops instead (for comparisons)
+_triton_state = {"enabled": triton is not None and os.environ.get("CADENCE_FP8_TRITON", "1") != "0"}
+
+
+def guarded_triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The Triton kernel; if it cannot compile or launch here, a warning and the torch ops from then on.
+    (The first call of every layer runs eagerly, before any CUDA-graph capture.)"""
+    if _triton_state["enabled"]:
+        try:
+            return triton_quantize_rows(x)
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure
+            _triton_state["enabled"] = False
+            warnings.warn(f"FP8 activation kernel unavailable ({type(e).__name__}: {e}); using torch ops",
+                          RuntimeWarning, stacklevel=2)
+    return quantize_rows(x)
+
+
 def _device_quantizer(device: torch.device) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     """The Triton kernel on CUDA when Triton is installed, else the torch ops."""
-    return triton_quantize_rows if device.type == "cuda" and triton is not None else quantize_rows
+    if device.type == "cuda" and _triton_state["enabled"]:
+        return guarded_triton_quantize_rows
+    return quantize_rows
 
 
 def target_patterns(targets: Iterable[str]) -> tuple[str, ...]:

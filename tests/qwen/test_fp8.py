@@ -124,6 +124,21 @@ def test_emulation_equals_torch_scaled_mm_where_the_cpu_build_has_it():
     torch.testing.assert_close(emulated_scaled_mm(xq, sx, wq, sw.squeeze(1)), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_failing_triton_kernel_falls_back_to_the_torch_ops_with_a_warning(monkeypatch):
+    def broken(x):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(fp8, "triton_quantize_rows", broken)
+    monkeypatch.setitem(fp8._triton_state, "enabled", True)
+    x = torch.randn(3, 32)
+    with pytest.warns(RuntimeWarning, match="no kernel here"):
+        values, scale = fp8.guarded_triton_quantize_rows(x)
+    ref_values, ref_scale = quantize_rows(x)
+    assert torch.equal(values.float(), ref_values.float()) and torch.equal(scale, ref_scale)
+    assert fp8._triton_state["enabled"] is False
+    assert fp8._device_quantizer(torch.device("cuda")) is quantize_rows
+
+
 # -- the module -------------------------------------------------------------------------------------
 def test_dtype_casts_keep_fp8_weights_and_fp32_scales_and_parameters_report_the_compute_dtype():
     talker = tiny_talker()
