@@ -70,6 +70,7 @@ def build_models(args: argparse.Namespace, cfg) -> dict[str, Talker]:
     return models
 
 
+@torch.no_grad()
 def random_prompts(talker: Talker, cfg, rows: int, length: int, gen: torch.Generator) -> Tensor:
     """[rows, length, H] fp32: text-track plus codec-track embeddings of random ids."""
     dev = talker.model.norm.weight.device
@@ -113,6 +114,7 @@ def compare_logits(got: Tensor, ref: Tensor) -> dict:
                 argmax_agree=float((got.argmax(-1) == ref.argmax(-1)).float().mean()))
 
 
+@torch.no_grad()
 def logit_figures(models: dict[str, Talker], cfg, args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed + 1)
     ref = models["fp32"]
@@ -190,6 +192,7 @@ def compare_codes(got: Tensor, ref: Tensor) -> dict:
                 first_divergence_median=float(first.float().median()))
 
 
+@torch.no_grad()
 def greedy_figures(models: dict[str, Talker], cfg, args: argparse.Namespace) -> dict:
     """Free-running codes of every model; teacher-forced: bf16 on fp32's codes, FP8 on bf16's."""
     gen = torch.Generator().manual_seed(args.seed + 2)
@@ -219,7 +222,7 @@ def engine_args(args: argparse.Namespace, dtype: str, targets: tuple[str, ...]) 
         tiny=args.tiny, device=args.device, dtype=dtype, fp8_targets=targets, codec_dtype=args.codec_dtype,
         frames=args.engine_frames, prompt=args.engine_prompt, max_len=512, kv_buckets=[128, 256],
         max_codec_batch=min(64, max(args.engine_batches)), eager=args.device == "cpu",
-        batches=args.engine_batches,
+        batches=args.engine_batches, profile_batch=-1, watchdog=600.0,
     )
 
 
@@ -345,15 +348,24 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
+    write(args.out, result, t_start)  # the accuracy figures survive a failing engine run
     if args.engine_batches:
-        result["engine"] = {}
+        result["engine"], result["engine_errors"] = {}, {}
         for name in ["bf16"] + [f"fp8:{v}" for v in args.engine_variants]:
-            result["engine"][name] = engine_figures(args, name)
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
+            try:
+                result["engine"][name] = engine_figures(args, name)
+            except Exception as e:  # noqa: BLE001 - report it, measure the other variants
+                result["engine_errors"][name] = f"{type(e).__name__}: {e}"
+                print(f"engine run {name} failed: {result['engine_errors'][name]}", flush=True)
+    write(args.out, result, t_start)
     print_tables(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out} ({result['seconds']} s)")
+
+
+def write(path: Path, result: dict, t_start: float) -> None:
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -444,3 +444,4 @@ def test_fp8_bench_smoke_mode_writes_every_figure(tmp_path, monkeypatch):
     assert [r["batch"] for r in engine["fp8:talker"]["rows"]] == [1, 2]
     assert all(r["frames"] == r["batch"] * 3 for r in engine["fp8:talker"]["rows"])
     assert engine["fp8:talker"]["weight_bytes_saved"] > 0 == engine["bf16"]["fp8_layers"]
+    assert result["engine_errors"] == {}
