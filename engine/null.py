@@ -132,8 +132,8 @@ class NullStream:
                 self._clock.running, self._clock.next_due = True, now
             if self._clock.next_due > now + TICK_S / 2:  # a tick may wake a hair early
                 return
-            count = min(CHUNK_SAMPLES, limit - self._sent)
-            self._emit(_TONE[:count], limit)
+            count = limit - self._sent
+            self._emit(_TONE if count >= CHUNK_SAMPLES else _TONE[:count], limit)
             self._clock.next_due += TICK_S
         if self._text_closed and self._sent >= limit and not self.done:
             self._channel.put(AudioChunk(self.request_id, _TONE[:0], self._sent, final=True))
@@ -144,15 +144,17 @@ class NullStream:
 
     def _emit(self, samples: npt.NDArray[np.float32], limit: int) -> None:
         end = self._sent + len(samples)
-        ready = 0
-        while ready < len(self._words) and self._words[ready].start_sample < end:
-            ready += 1
-        words = tuple(
-            w if w.end_sample <= limit else _clip(w, limit)
-            for w in self._words[:ready]
-            if w.start_sample < limit
-        )
-        del self._words[:ready]
+        words: tuple[WordTiming, ...] = ()
+        if self._words and self._words[0].start_sample < end:  # most chunks start no word
+            ready = 0
+            while ready < len(self._words) and self._words[ready].start_sample < end:
+                ready += 1
+            words = tuple(
+                w if w.end_sample <= limit else _clip(w, limit)
+                for w in self._words[:ready]
+                if w.start_sample < limit
+            )
+            del self._words[:ready]
         self._channel.put(AudioChunk(self.request_id, samples, self._sent, words))
         self._sent = end
 

@@ -7,6 +7,8 @@ sample timeline, and encoded: pcm_s16le, pcm_f32le, or G.711 mulaw / alaw (8 kHz
 
 from __future__ import annotations
 
+import struct
+import sys
 from dataclasses import dataclass
 from typing import Final
 
@@ -17,6 +19,8 @@ import soxr
 from gateway.messages import (
     BYTES_PER_SAMPLE,
     FLAG_LAST,
+    HEADER_BYTES,
+    PROTOCOL_VERSION,
     TELEPHONY_ENCODINGS,
     Encoding,
     OutputInfo,
@@ -26,6 +30,8 @@ from gateway.messages import (
 
 Audio = npt.NDArray[np.float32]
 _EMPTY: Final = np.zeros(0, dtype=np.float32)
+_PACK_HEADER: Final = struct.Struct("<BBHII").pack  # PacketHeader.pack's layout, without the object
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,11 @@ class OutputFormat:
         }
 
 
+def is_mono_float32(samples: object) -> bool:
+    """Already what the pipeline works on: a 1-D float32 ndarray (no conversion needed)."""
+    return type(samples) is np.ndarray and samples.dtype == np.float32 and samples.ndim == 1
+
+
 # -- resampling -------------------------------------------------------------------------------
 
 
@@ -66,6 +77,8 @@ class StreamResampler:
         self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
 
     def process(self, samples: Audio, last: bool = False) -> Audio:
+        if self._stream is None and is_mono_float32(samples):
+            return samples
         x = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         if self._stream is None:
             return x
@@ -135,7 +148,7 @@ def encode_samples(samples: Audio, encoding: Encoding) -> bytes:
         return np.clip(samples, -1.0, 1.0).astype("<f4").tobytes()
     pcm = to_int16(samples)
     if encoding == "pcm_s16le":
-        return pcm.astype("<i2", copy=False).tobytes()
+        return pcm.tobytes() if _LITTLE_ENDIAN else pcm.astype("<i2").tobytes()
     if encoding == "mulaw":
         return mulaw_encode(pcm).tobytes()
     return alaw_encode(pcm).tobytes()
@@ -158,23 +171,52 @@ def decode_payload(payload: bytes, encoding: Encoding) -> Audio:
 # -- packetiser -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
 class Packet:
-    header: PacketHeader
-    payload: bytes
-    samples: int  # samples at the output rate in the payload
+    """One wire packet. Its frame (the 12-byte header, then the payload) is built once, when the
+    packet is made; the header fields are kept as plain attributes for the send path."""
+
+    __slots__ = ("stream", "seq", "sample_offset", "flags", "samples", "frame")
+
+    def __init__(self, header: PacketHeader, payload: bytes, samples: int) -> None:
+        self.stream, self.seq, self.sample_offset, self.flags = (
+            header.stream, header.seq, header.sample_offset, header.flags
+        )
+        self.samples = samples  # samples at the output rate in the payload
+        self.frame = header.pack() + payload
+
+    @classmethod
+    def of_frame(cls, stream: int, seq: int, sample_offset: int, flags: int, samples: int, frame: bytes) -> Packet:
+        """A packet around a frame already built (the packetiser's fast path)."""
+        packet = cls.__new__(cls)
+        packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, sample_offset, flags
+        packet.samples, packet.frame = samples, frame
+        return packet
 
     @property
-    def frame(self) -> bytes:
-        return self.header.pack() + self.payload
+    def header(self) -> PacketHeader:
+        return PacketHeader(self.stream, self.seq, self.sample_offset, self.flags)
+
+    @property
+    def payload(self) -> bytes:
+        return self.frame[HEADER_BYTES:]
 
     @property
     def end_sample(self) -> int:
-        return self.header.sample_offset + self.samples
+        return self.sample_offset + self.samples
 
     @property
     def last(self) -> bool:
-        return self.header.last
+        return bool(self.flags & FLAG_LAST)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Packet) and (self.frame, self.samples) == (other.frame, other.samples)
+
+    def __hash__(self) -> int:
+        return hash((self.frame, self.samples))
+
+    def __repr__(self) -> str:
+        return (f"Packet(stream={self.stream}, seq={self.seq}, sample_offset={self.sample_offset}, "
+                f"flags={self.flags}, samples={self.samples}, bytes={len(self.frame) - HEADER_BYTES})")
 
 
 class Packetiser:
@@ -198,18 +240,21 @@ class Packetiser:
         resampled = self._resampler.process(samples, last=final)
         if len(resampled):
             self._pending = np.concatenate((self._pending, resampled)) if len(self._pending) else resampled
+        pending = self._pending
         size = self.format.samples_per_packet
         out: list[Packet] = []
-        count = len(self._pending) // size  # whole packets ready
-        if final and count and len(self._pending) == count * size:
+        count = len(pending) // size  # whole packets ready
+        if final and count and len(pending) == count * size:
             count -= 1  # the very last one goes out below, flagged as last
         if count:  # encode them in one pass, then cut the bytes
-            data = encode_samples(self._pending[: count * size], self.format.encoding)
+            whole = count * size
+            data = memoryview(encode_samples(pending if len(pending) == whole else pending[:whole], self.format.encoding))
             step = len(data) // count
             out += [self._make(data[i * step : (i + 1) * step], size, last=False) for i in range(count)]
-            self._pending = self._pending[count * size :]
+            self._pending = _EMPTY if len(pending) == whole else pending[whole:]
         if final:
-            out.append(self._packet(self._pending, last=True))
+            out.append(self._make(memoryview(encode_samples(self._pending, self.format.encoding)),
+                                  len(self._pending), last=True))
             self._pending = _EMPTY
             self.finished = True
         return out
@@ -218,13 +263,9 @@ class Packetiser:
     def duration_ms(self) -> int:
         return round(self.samples_out * 1000 / self.format.sample_rate)
 
-    def _packet(self, samples: Audio, last: bool) -> Packet:
-        return self._make(encode_samples(samples, self.format.encoding), len(samples), last)
-
-    def _make(self, payload: bytes, samples: int, last: bool) -> Packet:
-        header = PacketHeader(
-            stream=self.stream, seq=self.packets, sample_offset=self.samples_out, flags=FLAG_LAST if last else 0
-        )
+    def _make(self, payload: memoryview, samples: int, last: bool) -> Packet:
+        seq, offset, flags = self.packets, self.samples_out, FLAG_LAST if last else 0
+        header = _PACK_HEADER(PROTOCOL_VERSION, flags, self.stream, seq & 0xFFFFFFFF, offset & 0xFFFFFFFF)
         self.packets += 1
         self.samples_out += samples
-        return Packet(header, payload, samples)
+        return Packet.of_frame(self.stream, seq, offset, flags, samples, b"".join((header, payload)))

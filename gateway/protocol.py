@@ -47,7 +47,7 @@ from gateway.messages import (
     decode,
     validate_output,
 )
-from gateway.packets import OutputFormat, Packet, Packetiser
+from gateway.packets import OutputFormat, Packet, Packetiser, is_mono_float32
 from gateway.quotas import QuotaExceeded, Quotas
 from gateway.segmenter import UtteranceText
 
@@ -61,9 +61,9 @@ class SendControl:
     message: ServerMessage
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendAudio:
-    """A packet, in the audio lane."""
+    """A packet, in the audio lane (not frozen: one is made per packet, and frozen costs more)."""
 
     stream: int
     packet: Packet
@@ -287,17 +287,20 @@ class SessionProtocol:
         if utt is None or utt.status not in (Status.OPEN, Status.TEXT_CLOSED):
             return []  # after the fence, or after the last packet: dropped
         out: list[Action] = []
-        rate = self.engine.sample_rate
-        new_words = [self._word(utt, w.text, w.start_sample, w.end_sample, w.char_start, w.char_end, rate)
-                     for w in chunk.words]
-        if new_words and self.timestamps == "word":
-            out.append(SendControl({
-                "type": "words",
-                "utterance_id": utterance_id,
-                "source": chunk.words[0].source,
-                "words": [w.to_wire() for w in new_words],
-            }))
-        samples = np.asarray(chunk.samples, dtype=np.float32).reshape(-1)
+        if chunk.words:
+            rate = self.engine.sample_rate
+            new_words = [self._word(utt, w.text, w.start_sample, w.end_sample, w.char_start, w.char_end, rate)
+                         for w in chunk.words]
+            if self.timestamps == "word":
+                out.append(SendControl({
+                    "type": "words",
+                    "utterance_id": utterance_id,
+                    "source": chunk.words[0].source,
+                    "words": [w.to_wire() for w in new_words],
+                }))
+        samples = chunk.samples
+        if not is_mono_float32(samples):
+            samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         gap = chunk.sample_offset - utt.engine_samples
         if gap > 0:  # the engine skipped samples: keep the timeline with silence
             samples = np.concatenate((np.zeros(gap, dtype=np.float32), samples))

@@ -6,15 +6,18 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Final
 
 import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from engine.api import Engine
 from gateway.app import Gateway, create_app
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.session import FRAME_WRITER
 
 log = logging.getLogger("cadence.server")
 
@@ -44,10 +47,63 @@ def check_exposure(host: str, auth_enabled: bool, insecure: bool) -> str:
     return f"INSECURE: no API keys configured and listening on {host}: anyone who can reach it may use it"
 
 
+def frame_header(opcode: int, size: int) -> bytes:
+    """The head of one final, unmasked server frame (RFC 6455 5.2) carrying `size` bytes."""
+    if size < 126:
+        return bytes((0x80 | opcode, size))
+    if size < 1 << 16:
+        return bytes((0x80 | opcode, 126)) + size.to_bytes(2, "big")
+    return bytes((0x80 | opcode, 127)) + size.to_bytes(8, "big")
+
+
+_BINARY_HEAD: Final = {size: frame_header(0x2, size) for size in range(1 << 12)}  # packets: no allocation
+
+
+class DirectFrameWriter:
+    """Data frames for uvicorn's sans-I/O WebSocket protocol, framed here and written straight to its
+    transport: any number of messages in ONE write, without the per-message ASGI `send` (Starlette
+    -> uvicorn -> websockets' frame objects). Frames go out uncompressed (RSV1 clear), which RFC 7692
+    allows on a connection that negotiated permessage-deflate; the websockets connection state is
+    untouched (data frames keep none), so close and ping still go through uvicorn as before."""
+
+    __slots__ = ("_protocol",)
+
+    def __init__(self, protocol: WebSocketsSansIOProtocol) -> None:
+        self._protocol = protocol
+
+    @property
+    def open(self) -> bool:
+        """Data frames may go out: accepted, no close sent or received, the peer still there."""
+        p = self._protocol
+        return (p.handshake_complete and not p.close_sent and not p.disconnected and p.initial_response is None
+                and p.conn.state is State.OPEN and not p.transport.is_closing())
+
+    @property
+    def writable(self) -> bool:
+        """False while the transport's buffer is over its high-water mark (the client reads slowly)."""
+        return self._protocol.writable.is_set()
+
+    async def wait_writable(self) -> None:
+        await self._protocol.writable.wait()
+
+    def write(self, messages: Iterable[bytes | str]) -> None:
+        """Binary (bytes) and text (str, UTF-8; raises UnicodeEncodeError first) messages, in order."""
+        parts: list[bytes] = []
+        for message in messages:
+            if isinstance(message, str):
+                data = message.encode()
+                parts += (frame_header(0x1, len(data)), data)
+            else:
+                parts += (_BINARY_HEAD.get(len(message)) or frame_header(0x2, len(message)), message)
+        if parts:
+            self._protocol.transport.write(b"".join(parts))
+
+
 class LenientTextProtocol(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol, except that a text frame which is not valid UTF-8 reaches the
     app (its bad bytes as surrogate escapes) instead of closing the socket with 1007: the session
-    answers it with an `invalid_message` error and goes on, like any other bad message."""
+    answers it with an `invalid_message` error and goes on, like any other bad message. An accepted
+    upgrade's scope carries a DirectFrameWriter (extension FRAME_WRITER) for the session's frames."""
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:
@@ -62,6 +118,12 @@ class LenientTextProtocol(WebSocketsSansIOProtocol):
                     self.transport.pause_reading()
                 return
         super().send_receive_event_to_app()
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # only an upgrade that is going ahead has one
+        if scope is not None and not self.close_sent:
+            scope["extensions"][FRAME_WRITER] = DirectFrameWriter(self)
 
 
 class GatewayServer(uvicorn.Server):

@@ -9,16 +9,30 @@ passes `control_queue_max`, the session is closed with 1008 and its engine strea
 Time the writer spends idle, pacing, or waiting for a busy event loop is not a stall: only a send
 that the transport does not accept counts. Everything the protocol asks for runs in `_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
 `utterance.interrupted` happen together: no packet of that stream is sent after the fence.
+
+Under uvicorn (gateway.server) the socket offers a direct frame writer: then queued frames are not
+sent one by one by the writer task but written by `_pump`, synchronously, everything that may go
+now in one transport write. One `Pacer` per event loop runs the pumps of all sessions with news
+once per loop pass, and wakes sessions whose paced audio falls due with one shared timer. The
+writer task only closes the socket, and waits out a transport that takes no more bytes (the
+watchdog times that wait). Without the writer (tests, other servers) the writer task sends each
+frame through the ASGI WebSocket, with the same order and pacing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
+import math
 import uuid
+import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar, Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
@@ -45,6 +59,85 @@ from gateway.quotas import Quotas
 
 log = logging.getLogger("cadence.session")
 
+FRAME_WRITER: Final = "cadence.frame_writer"  # the ASGI scope extension that carries a FrameWriter
+PACING_TICK_S: Final = 0.005  # paced audio is released on this grid (it divides every packet_ms)
+_CLOCK_SLACK_S: Final = 0.001  # the loop clock's granularity (1 ms under uvloop)
+
+
+class FrameWriter(Protocol):
+    """Writes WebSocket messages straight to the connection (gateway.server.DirectFrameWriter)."""
+
+    @property
+    def open(self) -> bool: ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    async def wait_writable(self) -> None: ...
+
+    def write(self, messages: Iterable[bytes | str]) -> None: ...
+
+
+class Pacer:
+    """Shared by the sessions of one event loop: sessions with news are pumped once per loop pass,
+    in the order the news came; paced audio waits on ONE timer, on a `PACING_TICK_S` grid, and every
+    session whose audio is due by a tick is pumped at that tick."""
+
+    _of_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Pacer:
+        pacer = cls._of_loop.get(loop)
+        if pacer is None:
+            pacer = cls._of_loop[loop] = cls(loop)
+        return pacer
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._news: dict[Session, None] = {}  # insertion-ordered set
+        self._pass_scheduled = False
+        self._due: list[tuple[float, int, Session]] = []  # (tick, tie-break, session), a heap
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+
+    def pump_soon(self, session: Session) -> None:
+        self._news[session] = None
+        if not self._pass_scheduled:
+            self._pass_scheduled = True
+            self._loop.call_soon(self._pump_news)
+
+    def wake_at(self, session: Session, due: float) -> float:
+        """Pump `session` at the first tick at or after `due` (loop time); returns that tick."""
+        tick = math.ceil(due / PACING_TICK_S) * PACING_TICK_S
+        heapq.heappush(self._due, (tick, next(self._order), session))
+        if tick < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = self._loop.call_at(tick, self._tick), tick
+        return tick
+
+    def _tick(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        horizon = self._loop.time() + _CLOCK_SLACK_S
+        while self._due and self._due[0][0] <= horizon:
+            session = heapq.heappop(self._due)[2]
+            session.paced_tick = None
+            self._news[session] = None
+        if self._due:
+            tick = self._due[0][0]
+            self._timer, self._timer_at = self._loop.call_at(tick, self._tick), tick
+        self._pump_news()
+
+    def _pump_news(self) -> None:
+        self._pass_scheduled = False
+        news, self._news = self._news, {}
+        for session in news:
+            try:
+                session.pump()
+            except Exception:  # one session's failure must not stall the others
+                log.exception("session %s: pump failed", session.session_id)
+
 
 @dataclass(frozen=True, slots=True)
 class _CloseItem:
@@ -52,16 +145,17 @@ class _CloseItem:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _AudioItem:
     stream: int
     item: Packet | str  # a packet, or a JSON trailer (utterance.done)
 
 
 class SendQueue:
-    """Control messages ahead of audio; audio bounded by high/low watermarks (in items)."""
+    """Control messages ahead of audio; audio bounded by high/low watermarks (in items).
+    `on_news` (if given) is called whenever something is added or purged."""
 
-    def __init__(self, high: int, low: int) -> None:
+    def __init__(self, high: int, low: int, on_news: Callable[[], None] | None = None) -> None:
         self.high = high
         self.low = low
         self.control: deque[str | _CloseItem] = deque()
@@ -69,16 +163,22 @@ class SendQueue:
         self.writable = asyncio.Event()  # producers may add audio
         self.writable.set()
         self._wake = asyncio.Event()
+        self._on_news = on_news
+
+    def _news(self) -> None:
+        self._wake.set()
+        if self._on_news is not None:
+            self._on_news()
 
     def put_control(self, item: str | _CloseItem) -> None:
         self.control.append(item)
-        self._wake.set()
+        self._news()
 
     def put_audio(self, stream: int, item: Packet | str) -> None:
         self.audio.append(_AudioItem(stream, item))
         if len(self.audio) >= self.high:
             self.writable.clear()
-        self._wake.set()
+        self._news()
 
     def queued_bytes(self) -> int:
         """Memory held by queued frames (payloads and JSON text), for /metrics."""
@@ -91,7 +191,7 @@ class SendQueue:
         before = len(self.audio)
         self.audio = deque(a for a in self.audio if a.stream != stream)
         self._after_take()
-        self._wake.set()
+        self._news()
         return before - len(self.audio)
 
     def pop_audio(self) -> _AudioItem:
@@ -133,7 +233,15 @@ class Session:
             self.session_id, engine.info, config, key_id=key_id, allowed_voices=allowed_voices, quotas=quotas,
             now=self._loop.time(),
         )
-        self.queue = SendQueue(config.send_queue_high, config.send_queue_low)
+        scope = getattr(websocket, "scope", None) or {}
+        self._writer: FrameWriter | None = scope.get("extensions", {}).get(FRAME_WRITER)
+        self._pacer = Pacer.of(self._loop)
+        self._writer_needed = asyncio.Event()  # direct path: the pump needs the writer task
+        self._unsendable: str | None = None  # direct path: a text frame only the ASGI path may try
+        self._closing = False
+        self.paced_tick: float | None = None  # the Pacer tick this session waits for
+        on_news = None if self._writer is None else self._pump_soon
+        self.queue = SendQueue(config.send_queue_high, config.send_queue_low, on_news)
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
         self._send_started: float | None = None  # when the send in progress began (None: not sending)
         self._streams: dict[str, SynthesisStream] = {}
@@ -236,7 +344,23 @@ class Session:
 
     # -- writer -------------------------------------------------------------------------------
     async def _write_loop(self) -> None:
+        if self._writer is None:
+            await self._write_each()
+        else:
+            await self._write_direct(self._writer)
+
+    def _due_at(self, stream: int, packet: Packet) -> float | None:
+        """When a realtime-paced packet may go (loop time); None when it may go now."""
+        if self.protocol.pacing != "realtime":
+            return None
+        t0 = self._stream_t0.get(stream)
+        if t0 is None:
+            return None
         lead = self.config.realtime_lead_ms / 1000.0
+        return t0 + packet.sample_offset / self.protocol.output.sample_rate - lead
+
+    async def _write_each(self) -> None:
+        """The ASGI path: one `send` per frame."""
         while True:
             if self.queue.control:
                 item = self.queue.control.popleft()
@@ -249,10 +373,9 @@ class Session:
                 await self.queue.wait()
                 continue
             head = self.queue.audio[0]
-            if isinstance(head.item, Packet) and self.protocol.pacing == "realtime":
-                t0 = self._stream_t0.get(head.stream)
-                if t0 is not None:
-                    due = t0 + head.item.header.sample_offset / self.protocol.output.sample_rate - lead
+            if isinstance(head.item, Packet):
+                due = self._due_at(head.stream, head.item)
+                if due is not None:
                     wait = due - self._loop.time()
                     if wait > 0:
                         await self.queue.wait(wait)
@@ -263,7 +386,90 @@ class Session:
                 self._execute(self.protocol.trailer_sent(entry.stream))
                 continue
             await self._send(entry.item.frame)
-            self._after_packet_sent(entry.stream, entry.item)
+            self.metrics.packets.inc()
+            self._after_packet_sent(entry.stream, entry.item, self._loop.time())
+
+    async def _write_direct(self, writer: FrameWriter) -> None:
+        """The direct path's writer task: what `pump` cannot do without waiting."""
+        self.pump()
+        while True:
+            await self._writer_needed.wait()
+            self._writer_needed.clear()
+            if self._unsendable is not None:  # the ASGI path raises for it, as it always did
+                text, self._unsendable = self._unsendable, None
+                await self._send(text)
+            control = self.queue.control
+            if control and isinstance(close := control[0], _CloseItem):
+                self._closing = True
+                control.popleft()
+                await self._close_socket(close)
+                return
+            if writer.open and not writer.writable:
+                self._send_started = self._loop.time()
+                try:
+                    await writer.wait_writable()
+                finally:
+                    self._send_started = None
+            self.pump()
+
+    def _pump_soon(self) -> None:
+        self._pacer.pump_soon(self)
+
+    def pump(self) -> None:
+        """Direct path: write every control message, then every audio item that is due, in ONE
+        transport write. Stops at a close (the writer task's), at paced audio not yet due (the
+        Pacer wakes us), or while the transport takes no more bytes (the writer task waits)."""
+        writer = self._writer
+        if writer is None or self._closing or self.close_reason is not None or not writer.open:
+            return  # a closed socket: the reader sees the disconnect and ends the session
+        if not writer.writable:
+            self._writer_needed.set()
+            return
+        frames: list[bytes | str] = []
+        control, audio = self.queue.control, self.queue.audio
+        now = self._loop.time()
+        packets = 0
+        while True:
+            while control and not isinstance(control[0], _CloseItem):
+                if not self._take_text(control.popleft(), frames):
+                    break
+            if control or not audio or self._unsendable is not None:
+                break
+            head = audio[0]
+            item = head.item
+            if isinstance(item, str):
+                if not self._take_text(item, frames):
+                    self.queue.pop_audio()
+                    break
+                self.queue.pop_audio()
+                self._execute(self.protocol.trailer_sent(head.stream))
+                continue
+            due = self._due_at(head.stream, item)
+            if due is not None and due - now > _CLOCK_SLACK_S:
+                if self.paced_tick is None or self.paced_tick > due:
+                    self.paced_tick = self._pacer.wake_at(self, due)
+                break
+            self.queue.pop_audio()
+            frames.append(item.frame)
+            packets += 1
+            self._after_packet_sent(head.stream, item, now)
+        if frames:
+            writer.write(frames)
+        if packets:
+            self.metrics.packets.inc(packets)
+        if control or self._unsendable is not None:
+            self._writer_needed.set()
+
+    def _take_text(self, text: str | _CloseItem, frames: list[bytes | str]) -> bool:
+        """Add a text frame; one that is not valid UTF-8 is set aside for the writer task."""
+        assert isinstance(text, str)
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            self._unsendable = text
+            return False
+        frames.append(text)
+        return True
 
     async def _send(self, frame: str | bytes) -> None:
         """One frame to the socket; the watchdog times how long the transport takes to accept it."""
@@ -276,10 +482,8 @@ class Session:
         finally:
             self._send_started = None
 
-    def _after_packet_sent(self, stream: int, packet: Packet) -> None:
-        now = self._loop.time()
-        self.metrics.packets.inc()
-        if packet.header.seq == 0:
+    def _after_packet_sent(self, stream: int, packet: Packet, now: float) -> None:
+        if packet.seq == 0:
             self._stream_t0[stream] = now
             utt = self.protocol.by_stream(stream)
             started = self._first_text_at.get(utt.utterance_id) if utt else None
@@ -287,7 +491,9 @@ class Session:
                 self.metrics.ttfa.labels("stream").observe(now - started)
         if packet.last:
             self._stream_t0.pop(stream, None)
-        self._execute(self.protocol.packet_sent(stream, packet, now))
+        actions = self.protocol.packet_sent(stream, packet, now)
+        if actions:
+            self._execute(actions)
 
     async def _close_socket(self, item: _CloseItem) -> None:
         if self.websocket.application_state is WebSocketState.CONNECTED:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,24 @@ def _serve(engine_name: str, port: int, engine_options: dict[str, Any]) -> None:
     serve(engine, "127.0.0.1", port, GatewayConfig(), log_level="warning")
 
 
+@dataclass(frozen=True)
+class GatewayChild:
+    url: str  # the stream endpoint, ws://...
+    pid: int
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
-def gateway_process(engine_name: str, **engine_options: Any) -> Iterator[str]:
-    """Run the real gateway (uvicorn + the named engine) in a child process; yield its stream URL."""
+def gateway_child(engine_name: str, **engine_options: Any) -> Iterator[GatewayChild]:
+    """Run the real gateway (uvicorn + the named engine) in a child process; yield its URL and pid."""
     port = free_port()
     process = mp.get_context("spawn").Process(target=_serve, args=(engine_name, port, engine_options), daemon=True)
     process.start()
@@ -58,10 +74,18 @@ def gateway_process(engine_name: str, **engine_options: Any) -> Iterator[str]:
             raise RuntimeError("the gateway did not become ready")
         time.sleep(0.1)
     try:
-        yield f"ws://127.0.0.1:{port}/v1/stream"
+        assert process.pid is not None
+        yield GatewayChild(f"ws://127.0.0.1:{port}/v1/stream", process.pid)
     finally:
         process.terminate()
         process.join(timeout=10)
+
+
+@contextmanager
+def gateway_process(engine_name: str, **engine_options: Any) -> Iterator[str]:
+    """Run the real gateway (uvicorn + the named engine) in a child process; yield its stream URL."""
+    with gateway_child(engine_name, **engine_options) as child:
+        yield child.url
 
 
 def run_record(argv: list[str] | None) -> dict[str, Any]:
