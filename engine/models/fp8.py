@@ -115,6 +115,9 @@ class SharedInput:
     def clear(self) -> None:
         self.source, self.quantized = None, None
 
+    def __deepcopy__(self, memo: dict) -> SharedInput:
+        return SharedInput()  # copies of sibling layers share one new, empty cache (via memo)
+
 
 class Fp8Linear(nn.Module):
     """A drop-in for nn.Linear(in_features, out_features) holding FP8 weights.

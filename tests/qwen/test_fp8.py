@@ -175,6 +175,11 @@ def test_sibling_layers_quantise_a_shared_input_once(monkeypatch):
     # per layer: q/k/v share one, o, gate/up share one, down
     assert len(calls) == 4 * talker.cfg.shape.num_hidden_layers
 
+    twin = copy.deepcopy(talker)  # siblings of a copy share a new cache of their own
+    a, b = talker.model.layers[0].self_attn, twin.model.layers[0].self_attn
+    assert b.q_proj.shared is b.v_proj.shared and b.q_proj.shared is not a.q_proj.shared
+    assert b.q_proj.shared.quantized is None and a.q_proj.shared.quantized is not None
+
 
 def test_quantize_linears_replaces_exactly_the_targets():
     talker = tiny_talker()
