@@ -115,7 +115,7 @@ class SharedInput:
     def clear(self) -> None:
         self.source, self.quantized = None, None
 
-    def __deepcopy__(self, memo: dict) -> SharedInput:
+    def __deepcopy__(self, memo: dict[int, object]) -> SharedInput:
         return SharedInput()  # copies of sibling layers share one new, empty cache (via memo)
 
 
@@ -174,7 +174,7 @@ class Fp8Linear(nn.Module):
         # device moves apply to the quantised tensors; dtype casts (module.to(torch.bfloat16)) do not
         weight, scale = self._buffers.pop("weight"), self._buffers.pop("weight_scale")
         try:
-            super()._apply(fn, recurse)
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         finally:
             assert weight is not None and scale is not None
             device = fn(torch.empty(0, device=weight.device)).device
@@ -198,8 +198,8 @@ except ImportError:  # CPU installs: the torch ops serve
 
 if triton is not None:
 
-    @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_row_stride, BLOCK: tl.constexpr):
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_row_stride, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         """One program per row: amax, scale = max(amax, 1e-12) / 448, q = x / scale (IEEE division
         and round-to-nearest-even, as the torch ops do)."""
         row = tl.program_id(0).to(tl.int64)
