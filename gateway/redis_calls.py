@@ -275,8 +275,9 @@ class CallRouter:
             entry = await self._find(call_sid, reader)
             if reader.done():
                 return  # the agent left while waiting
-            self.outcomes.labels("not_found" if entry is None else "ended" if entry["state"] == "ended"
-                                 else "local" if entry.get("replica") == self.replica_id else "relayed").inc()
+            if entry is None or entry["state"] == "ended" or entry.get("replica") == self.replica_id:
+                self.outcomes.labels("not_found" if entry is None else "ended" if entry["state"] == "ended"
+                                     else "local").inc()
             if entry is None:
                 await self._refuse(websocket, "call_not_found",
                                    f"no media stream for call {call_sid[:64]!r} started within {self.wait_s:g} s")
@@ -356,8 +357,8 @@ class CallRouter:
         try:
             await self.send(owner, {"op": "attach", "link": link_id, "call": call_sid, "relay": self.replica_id})
             answer = await self._attach_answer(link)
-            if answer is None or answer.get("reason") == "busy":
-                self.outcomes.labels("lost" if answer is None else "busy").inc()
+            self.outcomes.labels("lost" if answer is None else "relayed" if answer.get("op") == "attached"
+                                 else "busy" if answer.get("reason") == "busy" else "not_found").inc()
             if answer is None:
                 await self._refuse(websocket, "call_lost", "the replica holding this call does not answer",
                                    CLOSE_INTERNAL)
