@@ -46,13 +46,20 @@ class GatewayChild:
     pid: int
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time a process has used so far (Linux /proc; None elsewhere)."""
+def cpu_times(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds a process has used so far (Linux /proc; None elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (Linux /proc; None elsewhere)."""
+    times = cpu_times(pid)
+    return None if times is None else sum(times)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import websockets
 
-from scripts.bench_common import cpu_seconds, gateway_child, run_record, write_json
+from scripts.bench_common import cpu_times, gateway_child, run_record, write_json
 
 HEADER = struct.Struct("<BBHII")
 OFFSET = struct.Struct("<I")  # sample_offset, at byte 8 of a packet
@@ -248,12 +248,14 @@ def one_level(
     delays = [args.ramp_seconds * i / streams for i in range(streams)]
     procs = args.client_procs
     start_at = time.time() + 0.5  # every client process starts its ramp at the same moment
-    cpu0, began = cpu_seconds(gateway_pid), time.perf_counter()
+    times0, began = cpu_times(gateway_pid), time.perf_counter()
     shares = pool.starmap(
         client_share, [(url, args.client, text, delays[i::procs], start_at, args.pacing) for i in range(procs)]
     )
     wall = time.perf_counter() - began
-    cpu1 = cpu_seconds(gateway_pid)
+    times1 = cpu_times(gateway_pid)
+    cpu0, cpu1 = (None, None) if times0 is None or times1 is None else (sum(times0), sum(times1))
+    system = None if times0 is None or times1 is None else times1[1] - times0[1]
     lags = [lag for share in shares for lag in share[0]]
     ms = np.array(lags) * 1000.0 if lags else np.array([np.nan])
     gateway_cpu = None if cpu0 is None or cpu1 is None else round(100.0 * (cpu1 - cpu0) / (wall - 0.5), 1)
@@ -270,6 +272,7 @@ def one_level(
         # other work on the machine than the lag is
         "gateway_cpu_us_per_packet": None if cpu0 is None or cpu1 is None or not lags
         else round(1e6 * (cpu1 - cpu0) / len(lags), 1),
+        "gateway_system_share": None if system is None or not cpu1 or cpu1 == cpu0 else round(system / (cpu1 - cpu0), 2),
         "client_cpu_pct": round(100.0 * sum(share[2] for share in shares) / (wall - 0.5), 1),
         "wall_s": round(wall - 0.5, 2),
     }

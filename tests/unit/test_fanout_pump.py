@@ -1,0 +1,289 @@
+"""The direct send path: frames framed by the gateway equal the websockets library's, a session's
+pump writes everything that may go in one write (control first, order kept, the barge-in fence
+held, realtime pacing respected), and what it cannot do (close, a full transport, text that is not
+UTF-8) goes to the writer task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from websockets.frames import Frame, Opcode
+
+from engine.api import AudioChunk, EngineInfo, SynthesisRequest
+from gateway.config import GatewayConfig
+from gateway.messages import unpack_packet
+from gateway.metrics import GatewayMetrics
+from gateway.server import frame_header
+from gateway.session import FRAME_WRITER, PACING_TICK_S, Pacer, Session
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 972, 4095, 4096, 65535, 65536, 70_000])
+@pytest.mark.parametrize("opcode", [Opcode.TEXT, Opcode.BINARY])
+def test_frame_header_matches_the_websockets_library(size: int, opcode: Opcode) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    assert frame_header(opcode.value, size) + data == Frame(opcode, data).serialize(mask=False, extensions=[])
+
+
+class FakeWriter:
+    """Records each transport write as the list of messages it carried."""
+
+    def __init__(self) -> None:
+        self.writes: list[list[bytes | str]] = []
+        self.open = True
+        self.writable = True
+        self.resumed = asyncio.Event()
+
+    async def wait_writable(self) -> None:
+        await self.resumed.wait()
+        self.writable = True
+
+    def write(self, messages: Any) -> None:
+        self.writes.append(list(messages))
+
+    @property
+    def frames(self) -> list[bytes | str]:
+        return [m for w in self.writes for m in w]
+
+
+class FakeSocket:
+    def __init__(self, writer: FakeWriter | None) -> None:
+        self.scope = {"extensions": {FRAME_WRITER: writer} if writer else {}}
+        self.sent: list[bytes | str] = []
+        self.closed: tuple[int, str] | None = None
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.application_state = None
+
+    async def receive(self) -> dict[str, Any]:
+        return await self.inbox.get()
+
+    async def send_text(self, text: str) -> None:
+        text.encode()  # as uvicorn does: raises for text that is not UTF-8
+        self.sent.append(text)
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class OneStreamEngine:
+    """Hands out streams whose chunks the test pushes (nothing runs by itself)."""
+
+    info = EngineInfo("fake", "tones", 24000)
+
+    def __init__(self) -> None:
+        self.streams: dict[str, FakeStream] = {}
+
+    def open(self, request: SynthesisRequest) -> FakeStream:
+        stream = FakeStream(request.request_id)
+        self.streams[request.request_id.split("/")[1]] = stream
+        return stream
+
+
+class FakeStream:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[AudioChunk | None] = asyncio.Queue()
+        self.cancelled = False
+        self.sent = 0
+
+    def push(self, segment: Any) -> None: ...
+
+    def close_text(self) -> None: ...
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.queue.put_nowait(None)
+
+    def chunk(self, samples: int, final: bool = False) -> None:
+        self.queue.put_nowait(AudioChunk(self.request_id, np.full(samples, 0.25, np.float32), self.sent, (), final))
+        self.sent += samples
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def start(pacing: str = "asap", writer: FakeWriter | None = None, **config: Any) -> tuple[
+    Session, FakeSocket, FakeWriter | None, OneStreamEngine, asyncio.Task[None]
+]:
+    socket = FakeSocket(writer)
+    engine = OneStreamEngine()
+    session = Session(socket, engine, GatewayConfig(**config), GatewayMetrics())  # type: ignore[arg-type]
+    task = asyncio.create_task(session.run())
+    await socket.inbox.put({"type": "websocket.receive", "text": json.dumps(
+        {"type": "session.start", "pacing": pacing, "timestamps": "none"})})
+    await settle()
+    return session, socket, writer, engine, task
+
+
+def say(socket: FakeSocket, uid: str, text: str = "Hello there.") -> None:
+    socket.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(
+        {"type": "speak.append", "utterance_id": uid, "text": text})})
+
+
+def kinds(frames: list[bytes | str]) -> list[Any]:
+    """JSON messages by type, packets as (stream, seq)."""
+    out: list[Any] = []
+    for f in frames:
+        if isinstance(f, str):
+            out.append(json.loads(f)["type"])
+        else:
+            header, _ = unpack_packet(f)
+            out.append((header.stream, header.seq))
+    return out
+
+
+async def test_a_chunk_of_packets_goes_out_in_one_write_in_order() -> None:
+    session, socket, writer, engine, task = await start(writer=FakeWriter())
+    assert writer is not None
+    say(socket, "u1")
+    await settle()
+    before = len(writer.writes)
+    engine.streams["u1"].chunk(480 * 5)
+    await settle()
+    assert len(writer.writes) == before + 1  # five packets, one transport write
+    assert kinds(writer.writes[-1]) == [(1, i) for i in range(5)]
+    assert socket.sent == []  # nothing went through the per-message ASGI path
+    assert kinds(writer.frames)[:2] == ["session.started", "utterance.started"]
+    task.cancel()
+
+
+async def test_control_messages_go_ahead_of_queued_audio_and_the_fence_holds() -> None:
+    session, socket, writer, engine, task = await start(writer=FakeWriter())
+    assert writer is not None
+    say(socket, "u1")
+    await settle()
+    writer.writable = False  # the client stops reading: audio queues up
+    engine.streams["u1"].chunk(480 * 4)
+    await settle()
+    assert session.queue.audio and not any(isinstance(f, bytes) for f in writer.frames)
+    socket.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(
+        {"type": "speak.cancel", "utterance_id": "u1"})})
+    await settle()
+    writer.resumed.set()
+    await settle()
+    got = kinds(writer.frames)
+    assert "utterance.interrupted" in got
+    assert not any(isinstance(k, tuple) for k in got)  # the purge dropped every queued packet
+    engine.streams["u1"].chunk(480)  # a late chunk after the fence is dropped too
+    await settle()
+    assert not any(isinstance(k, tuple) for k in kinds(writer.frames))
+    task.cancel()
+
+
+async def test_packets_sent_before_a_cancel_precede_the_interruption_and_none_follow() -> None:
+    session, socket, writer, engine, task = await start(writer=FakeWriter())
+    assert writer is not None
+    say(socket, "u1")
+    say(socket, "u2", "And more.")
+    await settle()
+    engine.streams["u1"].chunk(480 * 2)
+    engine.streams["u2"].chunk(480 * 2)
+    await settle()
+    socket.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(
+        {"type": "speak.cancel", "utterance_id": "u1"})})
+    await settle()
+    engine.streams["u2"].chunk(480, final=True)
+    await settle()
+    got = kinds(writer.frames)
+    fence = got.index("utterance.interrupted")
+    assert [k for k in got[:fence] if isinstance(k, tuple) and k[0] == 1] == [(1, 0), (1, 1)]
+    assert not [k for k in got[fence:] if isinstance(k, tuple) and k[0] == 1]
+    assert [k for k in got if isinstance(k, tuple) and k[0] == 2] == [(2, 0), (2, 1), (2, 2)]
+    assert got[-1] == "utterance.done"  # u2's trailer, behind its last packet
+    task.cancel()
+
+
+async def test_realtime_pacing_holds_packets_to_the_lead_and_releases_them_on_the_shared_tick() -> None:
+    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100)
+    assert writer is not None
+    loop = asyncio.get_running_loop()
+    say(socket, "u1")
+    await settle()
+    engine.streams["u1"].chunk(480 * 25)  # 500 ms of audio at once
+    await settle()
+    t0 = loop.time()
+    packets = lambda: [k for k in kinds(writer.frames) if isinstance(k, tuple)]  # noqa: E731
+    assert len(packets()) == 6  # packet 0, then 100 ms of lead: packets 1..5 (due at or before t0)
+    assert Pacer.of(loop)._timer is not None  # one shared timer waits for the rest
+    await asyncio.sleep(0.2 + 2 * PACING_TICK_S)
+    sent = len(packets())
+    elapsed = loop.time() - t0
+    assert 6 + int(elapsed / 0.02) - 2 <= sent <= 6 + int(elapsed / 0.02 + 1)  # never ahead of the lead
+    await asyncio.sleep(0.4)
+    assert len(packets()) == 25
+    task.cancel()
+
+
+async def test_a_full_transport_is_waited_out_by_the_writer_task_and_timed_by_the_watchdog() -> None:
+    session, socket, writer, engine, task = await start(writer=FakeWriter(), slow_client_timeout_s=10.0)
+    assert writer is not None
+    say(socket, "u1")
+    await settle()
+    writer.writable = False
+    engine.streams["u1"].chunk(480 * 3)
+    await settle()
+    now = asyncio.get_running_loop().time()
+    assert session.send_blocked_for(now + 5) > 4.9  # the writer task waits on the transport
+    assert session.too_slow(now + 11) is not None
+    writer.resumed.set()
+    await settle()
+    assert session.send_blocked_for(now + 100) == 0.0
+    assert [k for k in kinds(writer.frames) if isinstance(k, tuple)] == [(1, 0), (1, 1), (1, 2)]
+    task.cancel()
+
+
+async def test_text_that_is_not_utf8_takes_the_asgi_path_which_refuses_it_as_before() -> None:
+    session, socket, writer, engine, task = await start(writer=FakeWriter())
+    assert writer is not None
+    writes = len(writer.writes)
+    session.queue.put_control('{"type":"x","bad":"\udcff"}')
+    session.queue.put_control('{"type":"after"}')
+    await settle()
+    assert task.done() and task.exception() is None  # the writer task failed: run() ended the session
+    assert len(writer.writes) == writes  # nothing after the bad frame went out
+    assert socket.sent == []
+
+
+async def test_a_close_goes_after_the_messages_before_it() -> None:
+    closed: list[tuple[int, str]] = []
+    session, socket, writer, engine, task = await start(writer=FakeWriter())
+    assert writer is not None
+
+    async def close(code: int, reason: str) -> None:
+        closed.append((code, reason))
+
+    from starlette.websockets import WebSocketState
+    socket.application_state = WebSocketState.CONNECTED  # type: ignore[assignment]
+    socket.close = close  # type: ignore[attr-defined]
+    socket.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps({"type": "session.end"})})
+    await asyncio.wait_for(task, 5)
+    assert kinds(writer.frames)[-1] == "session.ended"
+    assert closed == [(1000, "session ended")]
+
+
+async def test_without_a_frame_writer_every_frame_takes_the_asgi_path() -> None:
+    session, socket, _, engine, task = await start(writer=None)
+    say(socket, "u1")
+    await settle()
+    engine.streams["u1"].chunk(480 * 3, final=True)
+    await settle()
+    got = kinds(socket.sent)
+    assert got[:2] == ["session.started", "utterance.started"]
+    assert got[2:] == [(1, 0), (1, 1), (1, 2), "utterance.done"]  # the third packet is flagged last
+    task.cancel()
