@@ -113,6 +113,8 @@ def build_engine(options: EngineOptions) -> Engine:
         config = Qwen3EngineConfig(
             max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu",
             kv_budget_bytes=kv_budget,
+            # every decoding row takes one token of a step's budget: leave room for new prompts beside them
+            max_tokens_per_step=batch + 512,
         )
         engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
         if fp8:  # before start(): the CUDA graphs are captured over the quantised layers

@@ -207,8 +207,6 @@ class Runner:
         self.codec_batches = batch_buckets(config.max_codec_batch)
         self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
-        if cuda:  # Code2Wav's convolutions have fixed shapes per graph bucket: let cuDNN pick per shape
-            torch.backends.cudnn.benchmark = True
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
         self.batches = batch_buckets(mb)
         self.decode_kernel = config.decode_kernel and decode_attention.available(dev)
