@@ -4,7 +4,8 @@
 #   loopback WebSocket -> the reference qwen-tts on the same checkpoint -> merged JSON + plots -> an
 #   engine-only breakdown (talker / predictor / codec graph times).
 # Environment: SIZE (1.7B), CONC (1,64,256,512), SECONDS (20), REF_BATCHES (1,8), REF_FRAMES (40),
-#              DEVICE (cuda), OUTDIR ($OUT or ./bench-out)
+#              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
+#              reference-SIZE.json in OUTDIR instead of running the reference again)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${SECONDS:-20}"
@@ -33,7 +34,7 @@ timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --co
   -o "$OUTDIR/bench-$tag.json" 2>&1 | grep -v "━" | tail -25
 kill -INT $server; sleep 3; kill -9 $server 2>/dev/null
 tail -5 "$OUTDIR/serve-$tag.log"
-timeout 150 $PY scripts/reference_bench.py --model "$CKPT" --batches "$REF_BATCHES" --frames "$REF_FRAMES" \
+[ -n "${SKIP_REF:-}" ] || timeout 150 $PY scripts/reference_bench.py --model "$CKPT" --batches "$REF_BATCHES" --frames "$REF_FRAMES" \
   --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \
   -o "$OUTDIR/reference-$tag.json" 2>&1 | grep "^{" 
 [ -f "$OUTDIR/reference-$tag.json" ] && [ -f "$OUTDIR/bench-$tag.json" ] && \
