@@ -32,6 +32,7 @@ Audio = npt.NDArray[np.float32]
 _EMPTY: Final = np.zeros(0, dtype=np.float32)
 _PACK_HEADER: Final = struct.Struct("<BBHII").pack  # PacketHeader.pack's layout, without the object
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
+_FLOAT32: Final = np.dtype(np.float32)  # native float32 (numpy keeps one instance of it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ class OutputFormat:
 
 def is_mono_float32(samples: object) -> bool:
     """Already what the pipeline works on: a 1-D float32 ndarray (no conversion needed)."""
-    return type(samples) is np.ndarray and samples.dtype == np.float32 and samples.ndim == 1
+    return type(samples) is np.ndarray and samples.dtype is _FLOAT32 and samples.ndim == 1
 
 
 # -- resampling -------------------------------------------------------------------------------

@@ -132,11 +132,17 @@ class Pacer:
     def _pump_news(self) -> None:
         self._pass_scheduled = False
         news, self._news = self._news, {}
+        sent: dict[GatewayMetrics, int] = {}  # packets, counted once per pass
         for session in news:
             try:
-                session.pump()
+                packets = session.pump()
             except Exception:  # one session's failure must not stall the others
                 log.exception("session %s: pump failed", session.session_id)
+                continue
+            if packets:
+                sent[session.metrics] = sent.get(session.metrics, 0) + packets
+        for metrics, packets in sent.items():
+            metrics.packets.inc(packets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +397,7 @@ class Session:
 
     async def _write_direct(self, writer: FrameWriter) -> None:
         """The direct path's writer task: what `pump` cannot do without waiting."""
-        self.pump()
+        self._pump_counted()
         while True:
             await self._writer_needed.wait()
             self._writer_needed.clear()
@@ -410,21 +416,27 @@ class Session:
                     await writer.wait_writable()
                 finally:
                     self._send_started = None
-            self.pump()
+            self._pump_counted()
+
+    def _pump_counted(self) -> None:
+        packets = self.pump()
+        if packets:
+            self.metrics.packets.inc(packets)
 
     def _pump_soon(self) -> None:
         self._pacer.pump_soon(self)
 
-    def pump(self) -> None:
+    def pump(self) -> int:
         """Direct path: write every control message, then every audio item that is due, in ONE
-        transport write. Stops at a close (the writer task's), at paced audio not yet due (the
-        Pacer wakes us), or while the transport takes no more bytes (the writer task waits)."""
+        transport write; returns how many packets went (the caller counts them). Stops at a close
+        (the writer task's), at paced audio not yet due (the Pacer wakes us), or while the
+        transport takes no more bytes (the writer task waits)."""
         writer = self._writer
         if writer is None or self._closing or self.close_reason is not None or not writer.open:
-            return  # a closed socket: the reader sees the disconnect and ends the session
+            return 0  # a closed socket: the reader sees the disconnect and ends the session
         if not writer.writable:
             self._writer_needed.set()
-            return
+            return 0
         frames: list[bytes | str] = []
         control, audio = self.queue.control, self.queue.audio
         now = self._loop.time()
@@ -455,10 +467,9 @@ class Session:
             self._after_packet_sent(head.stream, item, now)
         if frames:
             writer.write(frames)
-        if packets:
-            self.metrics.packets.inc(packets)
         if control or self._unsendable is not None:
             self._writer_needed.set()
+        return packets
 
     def _take_text(self, text: str | _CloseItem, frames: list[bytes | str]) -> bool:
         """Add a text frame; one that is not valid UTF-8 is set aside for the writer task."""
