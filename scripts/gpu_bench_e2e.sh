@@ -5,7 +5,8 @@
 #   engine-only breakdown (talker / predictor / codec graph times).
 # Environment: SIZE (1.7B), CONC (1,64,256,512), SECONDS (20), REF_BATCHES (1,8), REF_FRAMES (40),
 #              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
-#              reference-SIZE.json in OUTDIR instead of running the reference again)
+#              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
+#              (more `cadence serve` flags, e.g. "--gpus 1": the engine in its own worker process)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${SECONDS:-20}"
@@ -15,7 +16,7 @@ PY="${PYTHON:-python3}"; CKPT="${CKPT:-.cache/cadence-random-$SIZE}"; PORT=8765
 tag="$(echo "$SIZE" | tr 'A-Z' 'a-z')"
 
 [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size "$SIZE" --out "$CKPT" --device "$DEVICE"
-$PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams 640 \
+$PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams 640 ${SERVE_ARGS:-} \
   > "$OUTDIR/serve-$tag.log" 2>&1 &
 server=$!
 $PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; }
