@@ -32,7 +32,7 @@ from engine.models import decode_attention
 from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
-from engine.plan import CodecChunk, PrefillChunk, StepOutput, StepPlan
+from engine.plan import CodecChunk, DecodeRow, PrefillChunk, StepOutput, StepPlan
 from engine.prefix_cache import PrefixKVCache
 from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
 from engine.sampler import (
@@ -194,7 +194,9 @@ class Runner:
         self.p_bool = torch.zeros(slots, 2, dtype=torch.bool, device=dev)  # greedy, sub greedy
         # static graph inputs / outputs
         mb = config.max_batch
-        self.d_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, positions, text index
+        # slots, positions, text index, prompt-row flag (1: the row's input is d_embeds, a prompt position)
+        self.d_meta = torch.zeros(4, mb, dtype=torch.long, device=dev)
+        self.d_embeds = torch.zeros(mb, h, device=dev, dtype=self.dtype)
         self.d_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
         self.s_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, segment step, counter
         self.s_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
@@ -259,22 +261,31 @@ class Runner:
             assert self.prefix_cache is not None, "prefix copies planned without a prefix cache"
             for copy in plan.prefix_copies:
                 self.prefix_cache.copy_into(copy.key, self.cache, copy.kv_slot)
-        if plan.decode:
+        # one-position prefill chunks (typically what is left of a prompt after its voice prefix came
+        # from the prefix cache) ride in the decode graph; the sampling ones first
+        merged = sorted((c for c in plan.prefill if c.length == 1), key=lambda c: not c.samples_frame)
+        longer = [c for c in plan.prefill if c.length > 1]
+        if plan.decode or merged:
             t = fig.start()
-            hidden.append(self._decode(plan))
+            h = self._decode(plan.decode, merged)
+            sampling = [c for c in merged if c.samples_frame]
+            hidden.append(h[: len(plan.decode) + len(sampling)])
             meta += [(r.kv_slot, r.frame_index, r.utterance_frame * self.groups) for r in plan.decode]
+            meta += [(c.kv_slot, c.frame_index, c.utterance_frame * self.groups) for c in sampling]
+            self._keep_prefixes(merged)
             fig.stop("decode", t)
-            fig.rows("batch_decode", len(plan.decode))
-        if plan.prefill:
+            fig.rows("batch_decode", len(plan.decode) + len(merged))
+        if longer:
             t = fig.start()
-            h = self._prefill(plan.prefill)
+            h = self._prefill(longer)
             if h is not None:
                 hidden.append(h)
                 meta += [
                     (c.kv_slot, c.frame_index, c.utterance_frame * self.groups)
-                    for c in plan.prefill if c.samples_frame
+                    for c in longer if c.samples_frame
                 ]
             fig.stop("prefill", t)
+        if plan.prefill:
             fig.rows("batch_prefill", len(plan.prefill))
             fig.rows("prefill_tokens", sum(c.length for c in plan.prefill))
         codes: list[list[int]] = []
@@ -296,19 +307,26 @@ class Runner:
         return StepOutput(codes=codes, audio=audio)
 
     # -- talker decode -------------------------------------------------------------------------
-    def _decode(self, plan: StepPlan) -> Tensor:
-        rows = plan.decode
-        n = len(rows)
+    def _decode(self, rows: list[DecodeRow], prompt_rows: list[PrefillChunk]) -> Tensor:
+        """Decode rows, then one-position prompt chunks, through one decode graph -> hidden [n, H]."""
+        n = len(rows) + len(prompt_rows)
         b = bucket_for(n, self.batches)
         assert b is not None, f"{n} decode rows exceed max_batch"
-        top = max(r.position for r in rows) + 1
+        top = max([r.position for r in rows] + [c.start for c in prompt_rows]) + 1
         k = bucket_for(top, self.kv_buckets) or self.kv_buckets[-1]
         pad = b - n
         meta = [
-            [r.kv_slot for r in rows] + [self.dummy] * pad,
-            [r.position for r in rows] + [self.scratch] * pad,
-            [min(r.frame_index - 1, self.trail_len[r.kv_slot]) for r in rows] + [0] * pad,
+            [r.kv_slot for r in rows] + [c.kv_slot for c in prompt_rows] + [self.dummy] * pad,
+            [r.position for r in rows] + [c.start for c in prompt_rows] + [self.scratch] * pad,
+            [min(r.frame_index - 1, self.trail_len[r.kv_slot]) for r in rows] + [0] * (b - len(rows)),
+            [0] * len(rows) + [1] * len(prompt_rows) + [0] * pad,
         ]
+        if prompt_rows:
+            for c in prompt_rows:
+                if c.start == c.copied:
+                    self._setup_slot(c)
+            embeds = torch.stack([self._context(c)[c.start] for c in prompt_rows])
+            self.d_embeds[len(rows) : n].copy_(embeds)
         self.d_meta[:, :b].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
         self.graphs.run(("decode", b, k), self._decode_fn(b, k))
         return self.d_hidden[:n]
@@ -317,6 +335,7 @@ class Runner:
         def fn() -> None:
             slots, positions, text_index = self.d_meta[0, :b], self.d_meta[1, :b], self.d_meta[2, :b]
             embeds = self.talker.frame_embedding(self.last_codes[slots]) + self.trail[slots, text_index]
+            embeds = torch.where(self.d_meta[3, :b, None].bool(), self.d_embeds[:b], embeds)
             lengths = None
             if self.decode_kernel:  # padded rows (the dummy slot) read one position, not the whole slot
                 lengths = torch.where(slots == self.dummy, 1, positions + 1)
@@ -517,7 +536,7 @@ class Runner:
     def _reset_static_inputs(self) -> None:
         self.d_meta[0].fill_(self.dummy)
         self.d_meta[1].fill_(self.scratch)
-        self.d_meta[2].zero_()
+        self.d_meta[2:].zero_()
         self.s_meta[0].fill_(self.dummy)
         self.s_meta[1:].zero_()
 

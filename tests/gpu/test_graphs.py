@@ -74,7 +74,8 @@ def _eager_then_graph(runner: Runner, key, fn, out: torch.Tensor) -> tuple[torch
 
 def test_talker_decode_graph_equals_eager(runner):
     b, k = 4, runner.kv_buckets[0]
-    runner.d_meta[:, :b] = torch.tensor([[0, 3, 5, 8], [10, 20, 7, 64], [0, 0, 0, 0]], device="cuda")
+    runner.d_meta[:, :b] = torch.tensor([[0, 3, 5, 8], [10, 20, 7, 64], [0, 0, 0, 0], [0, 0, 1, 0]], device="cuda")
+    runner.d_embeds[:b].normal_()  # row 2 is a prompt position: its input comes from d_embeds
     eager, graph = _eager_then_graph(runner, ("decode", b, k), runner._decode_fn(b, k), runner.d_hidden[:b])
     torch.testing.assert_close(graph, eager)
     assert eager.abs().sum() > 0

@@ -1,0 +1,45 @@
+"""One-position prompt chunks ride in the talker's decode batch (tiny random model, CPU, fp32,
+greedy): prompts prefilled a position at a time beside decoding rows give exactly the codes of the
+usual chunked prefill, and never reach the separate prefill forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import SynthesisRequest, TextSegment
+from engine.qwen3_engine import Qwen3Engine
+from tests.engine.test_prefix_cache import recording
+from tests.engine.test_qwen3_engine import bundle, checkpoint, drive, make_engine  # noqa: F401
+
+pytestmark = pytest.mark.reference
+TEXTS = ("Hello there, nice to meet you.", "Quite a different sentence, really.", "A third one.")
+
+
+def speak_together(engine: Qwen3Engine) -> dict[str, list[list[int]]]:
+    """Three requests, the second and third opened while the first decodes."""
+    states = {}
+    for i, text in enumerate(TEXTS):
+        rid = f"r{i}"
+        stream = engine.open(SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True,
+                                              max_frames=8))
+        states[rid] = engine.scheduler.requests[rid]
+        stream.push(TextSegment(text, char_start=0))
+        stream.close_text()
+        drive(engine, max_steps=3 if i < len(TEXTS) - 1 else 400)
+    drive(engine)
+    return {rid: s.codes for rid, s in states.items()}
+
+
+async def test_prompts_a_position_at_a_time_in_the_decode_batch_give_the_same_codes(bundle) -> None:  # noqa: F811
+    usual = speak_together(make_engine(bundle, prefix_cache_bytes=0))
+    merged_engine = make_engine(bundle, prefix_cache_bytes=0, max_prefill_chunk=1)
+    separate_calls = []
+    prefill = merged_engine.runner._prefill
+    merged_engine.runner._prefill = lambda chunks: separate_calls.append(chunks) or prefill(chunks)  # type: ignore[method-assign]
+    plans = recording(merged_engine)
+    merged = speak_together(merged_engine)
+    assert merged == usual and all(len(codes) == 8 for codes in merged.values())
+    assert separate_calls == []
+    mixed = [p for p in plans if p.decode and p.prefill]
+    assert mixed, "no step mixed decoding rows with prompt positions"
+    assert all(c.length == 1 for p in plans for c in p.prefill)
