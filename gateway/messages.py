@@ -51,6 +51,8 @@ ErrorCode = Literal[
     "overloaded",
     "shutting_down",
     "unauthorized",
+    "call_not_found",  # Twilio control channel: no media stream for the callSid (or it has ended)
+    "call_lost",  # Twilio control channel: the replica holding the call stopped answering
     "internal",
 ]
 
