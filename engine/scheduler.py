@@ -32,6 +32,10 @@ class SchedulerConfig:
     codec_slots: int = 64  # Code2Wav state rows = requests active at once (capacity)
     queue_limit: int = 256  # requests waiting beyond the active ones; more -> Overloaded
     max_codec_rows: int = 64  # Code2Wav rows per step
+    # rows per step whose chunk goes out below its scheduled size because the listener's buffer runs
+    # low. Beyond these, late rows wait a step and grow: under overload every late stream flushing one
+    # frame per step keeps Code2Wav at its least efficient shape, which keeps the streams late
+    max_early_codec_rows: int = 64
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)  # allowed chunk sizes (graph buckets)
     eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
     ttfa_target_s: float = 0.025
@@ -408,29 +412,35 @@ class Scheduler:
                 best = b
         return best
 
-    def _codec_frames(self, r: Request, now: float) -> int:
-        """Frames of r to decode this step (0 = wait for more)."""
+    def _codec_frames(self, r: Request, now: float) -> tuple[int, bool]:
+        """Frames of r to decode this step (0 = wait for more), and whether that is an early flush
+        (below the schedule's size, because the listener's buffer runs low)."""
         pending = r.frames_pending
         target = self._snap(chunk_frames(r.schedule, r.chunks_emitted))
         if pending >= target:
-            return target
+            return target, False
         if not r.status.holds_kv:  # no frame is coming soon: flush what is there
-            return self._snap(pending)
+            return self._snap(pending), False
         if r.chunks_emitted == 0:
-            return 0
+            return 0, False
         slack = r.deadline - now
         if slack < (target - pending) * self.step_time_s + self.config.safety_margin_s:
-            return self._snap(pending)
-        return 0
+            return self._snap(pending), True
+        return 0, False
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
         ready = [r for r in self.requests.values() if r.codec_slot is not None and r.frames_pending > 0]
-        ready.sort(key=lambda r: (r.chunks_emitted > 0, r.deadline))
+        ready.sort(key=lambda r: (r.chunks_emitted > 0, r.deadline))  # first chunks, then the most urgent
         work: list[CodecChunk] = []
+        early = 0
         for r in ready:
             if len(work) >= self.config.max_codec_rows:
                 break
-            n = self._codec_frames(r, now)
+            n, is_early = self._codec_frames(r, now)
+            if is_early:
+                if early >= self.config.max_early_codec_rows:
+                    continue
+                early += 1
             if n:
                 start = r.frames_decoded
                 work.append(

@@ -381,3 +381,41 @@ def test_config_validation():
         SchedulerConfig(codec_frame_buckets=(2, 4))
     with pytest.raises(ValueError):
         SchedulerConfig(max_batch=0)
+
+
+def _overloaded_codec_chunks(early_cap: int, n: int = 200) -> list[list[int]]:
+    """Later chunk sizes per step for n streams whose steps take 200 ms (far slower than real time)."""
+    clock = FakeClock()
+    sched = create_scheduler(num_kv_slots=n, clock=clock, max_batch=n, codec_slots=n, max_codec_rows=n,
+                             max_tokens_per_step=4 * n, max_early_codec_rows=early_cap, safety_margin_s=0.1)
+    for r in create_requests(n, prompt_len=2, max_frames=40):
+        sched.add_request(r)
+    per_step: list[list[int]] = []
+    for _ in range(40):
+        plan = sched.schedule()
+        per_step.append([c.num_frames for c in plan.codec if not c.first_chunk])
+        clock.t += 0.2
+        sched.update(plan, fake_output(plan))
+    return [sizes for sizes in per_step[5:] if sizes]
+
+
+def test_under_overload_early_flushes_are_capped_and_late_rows_grow_their_chunks():
+    capped, uncapped = _overloaded_codec_chunks(64), _overloaded_codec_chunks(200)
+    # a later chunk of one frame is always early (the schedule asks for 2 or more after the first)
+    assert all(sizes.count(1) <= 64 for sizes in capped)
+    assert any(sizes.count(1) > 64 for sizes in uncapped)
+
+    def frames_per_chunk(steps: list[list[int]]) -> float:
+        return sum(map(sum, steps)) / sum(map(len, steps))
+
+    assert frames_per_chunk(uncapped) < 1.2  # every late row flushes its one new frame every step
+    assert frames_per_chunk(capped) > 2.0  # held-back rows grow: fewer, larger Code2Wav rows
+
+
+def test_early_flushes_are_not_capped_at_light_load():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, max_early_codec_rows=1, safety_margin_s=0.1)
+    reqs = create_requests(1, prompt_len=3, max_frames=60)
+    sched.add_request(reqs[0])
+    sizes = _codec_sizes(sched, clock, 70, dt=0.06)
+    assert max(sizes) <= 2 and sum(sizes) == 60  # the one late row still flushes every step
