@@ -2,9 +2,11 @@
 
 Per step:
   Code2Wav chunks      after sampling on the same stream (or, with codec_overlap, on their own stream)
-  talker decode rows   one CUDA graph per (batch bucket, attention-length bucket)
-  talker prefill       chunks padded into one eager batch (positions beyond a row's chunk go to the
-                       cache's scratch cell)
+  talker decode rows   one CUDA graph per batch bucket (per attention-length bucket without the
+                       decode kernel); one-position prompt chunks join these rows
+  talker prefill       longer prompt chunks padded into a (rows, positions) bucket's graph
+                       (positions beyond a row's chunk go to the cache's scratch cell); larger
+                       steps run eagerly
   sampling             codebook 0 (penalty, EOS/control masks, per-row seeds) + the code
                        predictor's 15-step loop, one CUDA graph per batch bucket, over the decode
                        rows and the prefill rows that complete their context
@@ -88,6 +90,9 @@ class RunnerConfig:
     decode_kernel: bool = True
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
     max_codec_batch: int = 64
+    # prompt chunks of 2+ positions: graphs per (rows, positions) bucket; larger steps run eagerly
+    prefill_row_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_len_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     enforce_eager: bool = False
     # run Code2Wav on its own CUDA stream, overlapping the talker. Off by default: on torch 2.11 /
     # H200, replaying the codec graphs concurrently with the talker's hung (or, sharing one pool,
@@ -198,6 +203,11 @@ class Runner:
         self.d_meta = torch.zeros(4, mb, dtype=torch.long, device=dev)
         self.d_embeds = torch.zeros(mb, h, device=dev, dtype=self.dtype)
         self.d_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
+        pr, pt = max(config.prefill_row_buckets), max(config.prefill_len_buckets)
+        self.p_embeds = torch.zeros(pr, pt, h, device=dev, dtype=self.dtype)
+        self.p_pos = torch.zeros(pr, pt, dtype=torch.long, device=dev)
+        self.p_rows = torch.zeros(2, pr, dtype=torch.long, device=dev)  # slot, index of the last position
+        self.p_hidden = torch.zeros(pr, h, device=dev, dtype=self.dtype)
         self.s_meta = torch.zeros(3, mb, dtype=torch.long, device=dev)  # slots, segment step, counter
         self.s_hidden = torch.zeros(mb, h, device=dev, dtype=self.dtype)
         self.s_codes = torch.zeros(mb, self.groups, dtype=torch.long, device=dev)
@@ -344,24 +354,59 @@ class Runner:
 
         return fn
 
-    # -- talker prefill (eager) ----------------------------------------------------------------
+    # -- talker prefill ------------------------------------------------------------------------
     def _prefill(self, chunks: list[PrefillChunk]) -> Tensor | None:
-        rows, positions = [], []
+        """Prompt chunks -> the hidden states of the chunks that complete their context."""
+        rows = []
         for c in chunks:
             if c.start == c.copied:  # the slot's first chunk (after a prefix taken from the cache)
                 self._setup_slot(c)
             rows.append(self._context(c)[c.start : c.start + c.length])
-            positions.append(list(range(c.start, c.start + c.length)))
-        t = max(len(p) for p in positions)
-        pos = [p + [self.scratch] * (t - len(p)) for p in positions]
+        cfg = self.config
+        r = bucket_for(len(chunks), sorted(cfg.prefill_row_buckets))
+        t = bucket_for(max(c.length for c in chunks), sorted(cfg.prefill_len_buckets))
+        if r is None or t is None:
+            out = self._prefill_eager(chunks, rows)
+        else:
+            out = self._prefill_bucket(chunks, rows, r, t)
+        self._keep_prefixes(chunks)
+        sampling = [i for i, c in enumerate(chunks) if c.samples_frame]
+        return out[sampling] if sampling else None
+
+    def _prefill_bucket(self, chunks: list[PrefillChunk], rows: list[Tensor], r: int, t: int) -> Tensor:
+        """Padded into the (r rows, t positions) buffers and run as that bucket's graph; padding
+        positions go to the slot's scratch cell, padding rows to the dummy slot."""
+        self.p_embeds[:r, :t].zero_()
+        for i, row in enumerate(rows):
+            self.p_embeds[i, : row.shape[0]].copy_(row)
+        pos = [list(range(c.start, c.start + c.length)) + [self.scratch] * (t - c.length) for c in chunks]
+        pos += [[self.scratch] * t] * (r - len(chunks))
+        meta = [[c.kv_slot for c in chunks] + [self.dummy] * (r - len(chunks)),
+                [c.length - 1 for c in chunks] + [0] * (r - len(chunks))]
+        self.p_pos[:r, :t].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        self.p_rows[:, :r].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        self.graphs.run(("prefill", r, t), self._prefill_fn(r, t))
+        return self.p_hidden[: len(chunks)]
+
+    def _prefill_fn(self, r: int, t: int) -> Callable[[], None]:
+        kv_len = self.config.max_len + 1  # static: the mask bounds what each position sees
+
+        def fn() -> None:
+            slots, last = self.p_rows[0, :r], self.p_rows[1, :r]
+            out = self.talker(self.p_embeds[:r, :t], self.p_pos[:r, :t], self.cache, slots, kv_len)
+            self.p_hidden[:r].copy_(out[torch.arange(r, device=out.device), last])
+
+        return fn
+
+    def _prefill_eager(self, chunks: list[PrefillChunk], rows: list[Tensor]) -> Tensor:
+        t = max(c.length for c in chunks)
+        pos = [list(range(c.start, c.start + c.length)) + [self.scratch] * (t - c.length) for c in chunks]
         embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
         slots = torch.tensor([c.kv_slot for c in chunks], dtype=torch.long).to(self.device, non_blocking=True)
         kv_len = max(c.start + c.length for c in chunks)
         out = self.talker(embeds, pos_t, self.cache, slots, kv_len)
-        self._keep_prefixes(chunks)
-        last = [out[i, c.length - 1] for i, c in enumerate(chunks) if c.samples_frame]
-        return torch.stack(last) if last else None
+        return torch.stack([out[i, c.length - 1] for i, c in enumerate(chunks)])
 
     def _keep_prefixes(self, chunks: list[PrefillChunk]) -> None:
         """Store the prompt prefixes this step's chunks computed in full (first request of a voice)."""
@@ -537,6 +582,9 @@ class Runner:
         self.d_meta[0].fill_(self.dummy)
         self.d_meta[1].fill_(self.scratch)
         self.d_meta[2:].zero_()
+        self.p_pos.fill_(self.scratch)
+        self.p_rows[0].fill_(self.dummy)
+        self.p_rows[1].zero_()
         self.s_meta[0].fill_(self.dummy)
         self.s_meta[1:].zero_()
 
@@ -545,6 +593,11 @@ class Runner:
         keys: list[tuple[object, ...]] = []
         keys += [("decode", b, k) for b in reversed(self.batches) for k in reversed(self.kv_buckets)]
         keys += [("sample", b, bounded) for bounded in (True, False) for b in reversed(self.batches)]
+        keys += [
+            ("prefill", r, t)
+            for r in sorted(self.config.prefill_row_buckets, reverse=True)
+            for t in sorted(self.config.prefill_len_buckets, reverse=True)
+        ]
         keys += [
             ("codec", b, f)
             for b in reversed(self.codec_batches)
@@ -564,6 +617,8 @@ class Runner:
                 fn = self._decode_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             elif key[0] == "sample":
                 fn = self._sample_fn(int(key[1]), bool(key[2]))  # type: ignore[call-overload]
+            elif key[0] == "prefill":
+                fn = self._prefill_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             else:
                 fn = self._codec_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             bank = self.codec_graphs if key[0] == "codec" else self.graphs

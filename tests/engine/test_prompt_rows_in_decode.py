@@ -43,3 +43,24 @@ async def test_prompts_a_position_at_a_time_in_the_decode_batch_give_the_same_co
     mixed = [p for p in plans if p.decode and p.prefill]
     assert mixed, "no step mixed decoding rows with prompt positions"
     assert all(c.length == 1 for p in plans for c in p.prefill)
+
+
+async def test_prompt_chunks_padded_into_buckets_equal_the_eager_forward(bundle) -> None:  # noqa: F811
+    bucketed = make_engine(bundle, prefix_cache_bytes=0)
+    eager = make_engine(bundle, prefix_cache_bytes=0)
+    eager.runner.config.prefill_row_buckets = (1,)  # two rows or more no longer fit a bucket
+    eager.runner.config.prefill_len_buckets = (4,)  # nor do chunks longer than 4 positions
+    paths: dict[str, int] = {"bucket": 0, "eager": 0}
+    for engine in (bucketed, eager):
+        for name in paths:
+            method = getattr(engine.runner, f"_prefill_{name}")
+
+            def counted(*args, _method=method, _name=name):  # type: ignore[no-untyped-def]
+                paths[_name] += 1
+                return _method(*args)
+
+            setattr(engine.runner, f"_prefill_{name}", counted)
+    first = speak_together(bucketed)
+    assert paths == {"bucket": len(TEXTS), "eager": 0}
+    assert speak_together(eager) == first
+    assert paths["eager"] == len(TEXTS)

@@ -81,6 +81,16 @@ def test_talker_decode_graph_equals_eager(runner):
     assert eager.abs().sum() > 0
 
 
+def test_prefill_graph_equals_eager(runner):
+    r, t = 2, 8
+    runner.p_embeds[:r, :t].normal_()
+    runner.p_pos[:r, :t] = torch.tensor([list(range(5, 13)), [0, 1, 2] + [runner.scratch] * 5], device="cuda")
+    runner.p_rows[:, :r] = torch.tensor([[1, 6], [7, 2]], device="cuda")  # slots, last real position
+    eager, graph = _eager_then_graph(runner, ("prefill", r, t), runner._prefill_fn(r, t), runner.p_hidden[:r])
+    torch.testing.assert_close(graph, eager)
+    assert eager.abs().sum() > 0
+
+
 @pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_sampling_and_code_predictor_graph_equals_eager(runner, greedy, bounded):
