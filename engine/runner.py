@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine import sampling_kernel
 from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
 from engine.models import decode_attention
 from engine.models.codec import Code2Wav
@@ -219,6 +220,8 @@ class Runner:
         self.codec_batches = batch_buckets(config.max_codec_batch)
         self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
+        if cuda:
+            sampling_kernel.check(dev)  # the bounded sampler's kernel, or the torch draw if it fails
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
         self.batches = batch_buckets(mb)
         self.decode_kernel = config.decode_kernel and decode_attention.available(dev)

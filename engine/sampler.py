@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine import sampling_kernel
+
 _MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
 SEED_MASK = (1 << 63) - 1  # seeds are taken modulo 2**63 on the host
@@ -124,8 +126,12 @@ def sample(
     scores = logits.float()
     greedy_ids = scores.argmax(dim=-1)
     scaled = scores / params.temperature[:, None]
-    if bounded:
-        values, index = scaled.topk(min(TOP_K_BOUND, scores.shape[-1]), dim=-1)
+    k = min(TOP_K_BOUND, scores.shape[-1])
+    if bounded and sampling_kernel.available(scores.device) and k == TOP_K_BOUND:
+        values, index = scores.topk(k, dim=-1)  # the kernel applies the temperature itself
+        sampled_ids = sampling_kernel.draw(values, index, params.temperature, params.top_k, params.top_p, seed, counter)
+    elif bounded:
+        values, index = scaled.topk(k, dim=-1)
         filtered = filter_top_k_top_p(values, params.top_k, params.top_p)
         best = (filtered + gumbel_noise_at(seed, counter, index)).argmax(dim=-1, keepdim=True)
         sampled_ids = index.gather(1, best)[:, 0]
