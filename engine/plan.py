@@ -63,6 +63,12 @@ class CodecChunk:
         return len(self.codes)
 
 
+@dataclass(frozen=True, slots=True)
+class FirstAudio:
+    request_id: str
+    codec_slot: int
+
+
 @dataclass(slots=True)
 class StepPlan:
     step: int  # step counter, increasing by one per schedule()
@@ -73,6 +79,9 @@ class StepPlan:
     freed_kv_slots: list[int] = field(default_factory=list)  # talker rows released since the last plan
     num_prefill_tokens: int = 0  # sum of chunk lengths (the step's token budget minus decode rows)
     prefix_copies: list[PrefixCopy] = field(default_factory=list)  # run before the prefill
+    # requests whose first frame this step samples and whose first chunk is that one frame: the
+    # runner decodes it right after sampling, in this step, instead of in the next step's codec
+    first_audio_now: list[FirstAudio] = field(default_factory=list)
 
     @property
     def sampling_rows(self) -> list[str]:

@@ -307,17 +307,32 @@ class Runner:
             codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
             fig.stop("sample", t)
             fig.rows("batch_sample", len(meta))
+        first = self._first_audio_chunks(plan, codes)
+        codec = plan.codec + first
         if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling
             t = fig.start()
-            collect_audio = self._launch_codec(plan.codec, plan.codec_resets)
-            if plan.codec:
+            collect_audio = self._launch_codec(codec, plan.codec_resets)
+            if codec:
                 fig.stop("codec", t)
-        audio = collect_audio()
-        if plan.codec:
-            fig.rows("batch_codec", len(plan.codec))
-            fig.rows("codec_frames", sum(c.num_frames for c in plan.codec))
+            audio = collect_audio()
+        else:  # the scheduled chunks ran beside the talker; first frames follow their sampling
+            audio = collect_audio() | self._launch_codec(first, [])()
+        if codec:
+            fig.rows("batch_codec", len(codec))
+            fig.rows("codec_frames", sum(c.num_frames for c in codec))
         fig.finish_step()
         return StepOutput(codes=codes, audio=audio)
+
+    def _first_audio_chunks(self, plan: StepPlan, codes: list[list[int]]) -> list[CodecChunk]:
+        """One-frame chunks of the requests whose first frame this step sampled (EOS gives none)."""
+        if not plan.first_audio_now:
+            return []
+        row = {rid: i for i, rid in enumerate(plan.sampling_rows)}
+        return [
+            CodecChunk(request_id=f.request_id, codec_slot=f.codec_slot, first_frame=0,
+                       codes=[codes[row[f.request_id]]], first_chunk=True)
+            for f in plan.first_audio_now if codes[row[f.request_id]][0] != self.eos
+        ]
 
     # -- talker decode -------------------------------------------------------------------------
     def _decode(self, rows: list[DecodeRow], prompt_rows: list[PrefillChunk]) -> Tensor:

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 from engine.api import ChunkSchedule, Overloaded, Priority
 from engine.kv_cache import KVCacheManager, SlotPool
-from engine.plan import CodecChunk, DecodeRow, PrefillChunk, PrefixCopy, RequestOutput, StepOutput, StepPlan
+from engine.plan import (
+    CodecChunk,
+    DecodeRow,
+    FirstAudio,
+    PrefillChunk,
+    PrefixCopy,
+    RequestOutput,
+    StepOutput,
+    StepPlan,
+)
 from engine.request import Request, RequestStatus, Segment
 
 
@@ -196,6 +205,7 @@ class Scheduler:
             rows += 1
             plan.num_prefill_tokens += n
         plan.codec = self._schedule_codec(now)
+        plan.first_audio_now = self._first_audio_now(plan)
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
@@ -227,15 +237,17 @@ class Scheduler:
             r = self._live(rid)
             if r is not None:
                 self._append_frame(r, codes, out_for)
-        for chunk in plan.codec:
-            r = self._live(chunk.request_id)
+        decoded = [(c.request_id, c.num_frames) for c in plan.codec]
+        # a first frame decoded in its own step (absent when that frame was EOS)
+        decoded += [(f.request_id, 1) for f in plan.first_audio_now if f.request_id in output.audio]
+        for rid, frames in decoded:
+            r = self._live(rid)
             if r is None:
                 continue
-            audio = output.audio.get(chunk.request_id)
             o = out_for(r)
             o.sample_offset = r.samples_emitted
-            o.audio = audio
-            r.frames_decoded += chunk.num_frames
+            o.audio = output.audio.get(rid)
+            r.frames_decoded += frames
             r.chunks_emitted += 1
             if r.first_audio_time is None:
                 r.first_audio_time = now
@@ -427,6 +439,16 @@ class Scheduler:
         if slack < (target - pending) * self.step_time_s + self.config.safety_margin_s:
             return self._snap(pending), True
         return 0, False
+
+    def _first_audio_now(self, plan: StepPlan) -> list[FirstAudio]:
+        """Sampling rows that produce their request's first frame, when the first chunk is one frame."""
+        out = []
+        for rid in plan.sampling_rows:
+            r = self.requests[rid]
+            fresh = r.frames_generated == 0 and r.chunks_emitted == 0 and r.codec_slot is not None
+            if fresh and self._snap(chunk_frames(r.schedule, 0)) == 1:
+                out.append(FirstAudio(rid, r.codec_slot))
+        return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
         ready = [r for r in self.requests.values() if r.codec_slot is not None and r.frames_pending > 0]

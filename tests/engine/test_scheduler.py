@@ -230,7 +230,7 @@ def _codec_sizes(sched, clock, steps, dt=0.01):
     sizes = []
     for _ in range(steps):
         plan = sched.schedule()
-        sizes += [c.num_frames for c in plan.codec]
+        sizes += [c.num_frames for c in plan.codec] + [1] * len(plan.first_audio_now)
         clock.t += dt
         sched.update(plan, fake_output(plan))
     return sizes
@@ -246,7 +246,8 @@ def test_codec_chunks_follow_the_schedule_when_the_buffer_allows():
     assert sum(sizes) == 80
     assert all(s in (1, 2, 4, 8, 16, 25) for s in sizes)
     assert r.status == RequestStatus.FINISHED_STOPPED
-    assert r.ttfa is not None and r.ttfa == pytest.approx(0.02)  # prefill step, then the codec step
+    # the step that prefills and samples the first frame also decodes it
+    assert r.ttfa is not None and r.ttfa == pytest.approx(0.01)
 
 
 def test_codec_keeps_a_safety_margin_before_growing():
@@ -279,14 +280,33 @@ def test_first_chunks_go_before_later_ones():
     sched.add_request(old)
     _codec_sizes(sched, clock, 4)
     assert old.chunks_emitted >= 1
-    (new,) = create_requests(1, prompt_len=1, prefix="new", arrival_time=clock.t)
+    # a first chunk of two frames goes through the codec queue (one frame would be decoded at once)
+    (new,) = create_requests(1, prompt_len=1, prefix="new", arrival_time=clock.t, schedule=ChunkSchedule(first=2))
     sched.add_request(new)
-    for _ in range(3):
+    for _ in range(4):
         plan = sched.schedule()
         if plan.codec and plan.codec[0].request_id == "new0":
             break
         sched.update(plan, fake_output(plan))
     assert plan.codec[0].request_id == "new0" and plan.codec[0].first_chunk
+
+
+def test_a_one_frame_first_chunk_is_decoded_in_the_step_that_samples_it():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock)
+    a, b, c = create_requests(3, prompt_len=2)
+    b.schedule = ChunkSchedule(first=2)
+    for r in (a, b, c):
+        sched.add_request(r)
+    plan = sched.schedule()
+    assert [f.request_id for f in plan.first_audio_now] == ["r0", "r2"]  # r1's first chunk is 2 frames
+    outs = {o.request_id: o for o in sched.update(plan, fake_output(plan, eos_for={"r2"}))}
+    assert outs["r0"].audio is not None and a.chunks_emitted == 1 and a.frames_decoded == 1
+    assert a.first_audio_time is not None and a.frames_pending == 0
+    assert b.chunks_emitted == 0 and b.frames_pending == 1
+    assert c.chunks_emitted == 0 and c.frames_generated == 0  # an EOS first frame makes no audio
+    later = sched.schedule()
+    assert not later.first_audio_now and "r0" not in [x.request_id for x in later.codec]
 
 
 def test_final_flush_uses_bucket_sizes():

@@ -62,12 +62,15 @@ def create_requests(
 
 def fake_output(plan: StepPlan, eos_for: set[str] | None = None) -> StepOutput:
     """A runner stand-in: frame codes are (row index + 1) repeated, EOS for the ids in eos_for;
-    audio is ones of the right length."""
+    audio is ones of the right length (first frames decoded in the step that samples them)."""
     import numpy as np
 
     eos_for = eos_for or set()
     codes = [[EOS if rid in eos_for else i + 1] * 16 for i, rid in enumerate(plan.sampling_rows)]
     audio = {c.request_id: np.ones(c.num_frames * SAMPLES_PER_FRAME, np.float32) for c in plan.codec}
+    # like the runner: a first frame sampled this step is decoded in this step, unless it was EOS
+    audio |= {f.request_id: np.ones(SAMPLES_PER_FRAME, np.float32) for f in plan.first_audio_now
+              if f.request_id not in eos_for}
     return StepOutput(codes=codes, audio=audio)
 
 
