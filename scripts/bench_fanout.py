@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -92,9 +92,8 @@ class RawStream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.write(self.request)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.transport.write(self.request)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._finish(None if self.times else "connection lost")
@@ -175,7 +174,11 @@ async def raw_stream(url: str, text: str, start_delay: float, skip_samples: int,
     _, stream = await loop.create_connection(
         lambda: RawStream(f"{host}:{port}", parts.path, session_messages(text, pacing)), host, port
     )
-    error = await stream.finished
+    try:
+        error = await asyncio.wait_for(stream.finished, 120)
+    except TimeoutError:
+        error = "timed out"
+        stream._close(error)
     if not stream.times:
         return [], error or "no audio"
     return lags_of(stream.times, stream.offsets, stream.rate, skip_samples), error
@@ -230,9 +233,17 @@ def client_share(
             *(stream(url, text, delay, int(0.5 * RATE), pacing) for delay in delays), return_exceptions=True
         )
 
+    try:  # the client's own loop costs less CPU on uvloop, which the gateway then has
+        import uvloop
+
+        loop_factory: Any = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        results = runner.run(run())
     lags: list[float] = []
     errors = 0
-    for result in asyncio.run(run()):
+    for result in results:
         if isinstance(result, BaseException):
             errors += 1
             continue

@@ -218,7 +218,10 @@ async def test_realtime_pacing_holds_packets_to_the_lead_and_releases_them_on_th
     engine.streams["u1"].chunk(480 * 25)  # 500 ms of audio at once
     await settle()
     t0 = loop.time()
-    packets = lambda: [k for k in kinds(writer.frames) if isinstance(k, tuple)]  # noqa: E731
+
+    def packets() -> list[Any]:
+        return [k for k in kinds(writer.frames) if isinstance(k, tuple)]
+
     assert len(packets()) == 6  # packet 0, then 100 ms of lead: packets 1..5 (due at or before t0)
     assert Pacer.of(loop)._timer is not None  # one shared timer waits for the rest
     await asyncio.sleep(0.2 + 2 * PACING_TICK_S)
