@@ -42,8 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.api import SynthesisRequest, TextSegment, WordTiming  # noqa: E402
-from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig, share_frames  # noqa: E402
+from engine.api import Overloaded, SynthesisRequest, TextSegment, WordTiming  # noqa: E402
+from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig, Qwen3Stream, share_frames  # noqa: E402
 from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.segmenter import UtteranceText  # noqa: E402
@@ -92,7 +92,10 @@ def load_texts(corpus: Path, max_frames: int, kind: str = "paragraph") -> list[T
 
 
 # -- one utterance ----------------------------------------------------------------------------------
-async def speak(engine: Qwen3Engine, rid: str, text: Text, live: dict[str, Any]) -> Utterance:
+Live = dict[str, tuple[Qwen3Stream, Utterance]]  # open utterances by request id
+
+
+async def speak(engine: Qwen3Engine, rid: str, text: Text, live: Live) -> Utterance:
     loop = asyncio.get_running_loop()
     utt = Utterance(rid, text)
     stream = engine.open(SynthesisRequest(request_id=rid, voice=VOICE, language=text.language,
@@ -141,6 +144,7 @@ class Tally:
     utterances: int = 0
     completed: int = 0
     cancelled: int = 0
+    overloaded: int = 0  # opens refused (retried)
     segments: int = 0
     starts_from_words: int = 0  # segments whose start the word timings gave
     starts_unlike_shares: int = 0  # completed utterances whose segment starts differ from the shares
@@ -211,7 +215,7 @@ def lateness_summary(late: Sequence[float], rise: Sequence[float]) -> dict[str, 
 def level_report(n: int, tally: Tally, wall_s: float) -> dict[str, Any]:
     return {
         "concurrency": n, "wall_s": wall_s, "utterances": tally.utterances, "completed": tally.completed,
-        "cancelled": tally.cancelled, "segments": tally.segments, "joins": len(tally.join_late),
+        "cancelled": tally.cancelled, "overloaded": tally.overloaded, "segments": tally.segments, "joins": len(tally.join_late),
         "segment_starts_from_words": tally.starts_from_words, "starts_unlike_shares": tally.starts_unlike_shares,
         "audio_s": tally.audio_s, "audio_s_per_s": tally.audio_s / wall_s if wall_s > 0 else math.nan,
         "at_joins": lateness_summary(tally.join_late, tally.join_rise),
@@ -228,14 +232,18 @@ async def run_level(engine: Qwen3Engine, n: int, texts: list[Text], args: argpar
     loop = asyncio.get_running_loop()
     start = loop.time()
     stop_new, hard_stop = start + args.seconds, start + args.level_timeout
-    tally, live = Tally(), {}
+    tally, live = Tally(), Live()
     picks, ids = itertools.count(), itertools.count()
     task = progress.add_task(f"c={n}", total=args.seconds, status="")
 
     async def worker() -> None:
         while loop.time() < stop_new:
             text = texts[next(picks) % len(texts)]
-            tally.add(await speak(engine, f"c{n}-{next(ids)}", text, live))
+            try:
+                tally.add(await speak(engine, f"c{n}-{next(ids)}", text, live))
+            except Overloaded as exc:  # a slot not yet given back by the previous utterance
+                tally.overloaded += 1
+                await asyncio.sleep(min(0.05, exc.retry_after_s))
 
     async def watch() -> None:
         while True:
@@ -255,9 +263,10 @@ async def run_level(engine: Qwen3Engine, n: int, texts: list[Text], args: argpar
         await asyncio.gather(*(worker() for _ in range(n)))
     finally:
         watcher.cancel()
-    progress.update(task, completed=args.seconds,
-                    status=f"{tally.completed} done, {tally.cancelled} cancelled, {len(tally.join_late)} joins")
-    return level_report(n, tally, loop.time() - start)
+    wall = loop.time() - start
+    progress.update(task, completed=args.seconds, status=f"{wall:.0f} s: {tally.completed} done, "
+                    f"{tally.cancelled} cancelled, {len(tally.join_late)} joins")
+    return level_report(n, tally, wall)
 
 
 async def warm_up(engine: Qwen3Engine, texts: list[Text], n: int) -> None:
