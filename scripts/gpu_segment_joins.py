@@ -2,7 +2,7 @@
 real-time playback of what came before runs out, and does the engine add audio of its own at joins?
 
     python scripts/gpu_segment_joins.py --out deploy/bench/h200-segment-joins-1.7b.json   # H200
-    python scripts/gpu_segment_joins.py --model checkpoints/qwen3-1.7b-random --out joins.json
+    python scripts/gpu_segment_joins.py --model checkpoints/qwen3-1.7b-random --out joins.json  # kept, reused
     python scripts/gpu_segment_joins.py --size tiny --device cpu --concurrency 1,4 --out joins.json
 
 Random weights at the real shapes (a checkpoint is written when --model is absent), so the figure is
@@ -29,6 +29,7 @@ import asyncio
 import itertools
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -276,17 +277,23 @@ async def warm_up(engine: Qwen3Engine, texts: list[Text], n: int) -> None:
 
 
 def build_engine(args: argparse.Namespace, top: int) -> Qwen3Engine:
-    path = args.model
-    if path is None:
+    """The engine as cadence.engines serves it, for `top` concurrent utterances, on --model (a random
+    checkpoint of --size is written there first when it holds none; in a temporary folder, removed
+    once loaded, without --model)."""
+    path = args.model or Path(tempfile.mkdtemp(prefix="qwen3-random-"))
+    if not (path / "config.json").exists():
         from scripts.random_checkpoint import write_checkpoint
 
-        path = Path(tempfile.mkdtemp(prefix="qwen3-random-"))
         write_checkpoint(path, args.size, args.device, CORPUS)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     batch = min(512, top)
-    return Qwen3Engine.from_pretrained(path, args.device, dtype, Qwen3EngineConfig(  # as cadence.engines serves it
-        max_streams=top, kv_slots=top, queue_limit=top, max_len=args.max_len, max_batch=batch,
-        max_tokens_per_step=batch + 512, enforce_eager=args.device == "cpu", progress_bar=not args.quiet))
+    try:
+        return Qwen3Engine.from_pretrained(path, args.device, dtype, Qwen3EngineConfig(
+            max_streams=top, kv_slots=top, queue_limit=top, max_len=args.max_len, max_batch=batch,
+            max_tokens_per_step=batch + 512, enforce_eager=args.device == "cpu", progress_bar=not args.quiet))
+    finally:
+        if args.model is None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -316,7 +323,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python", "scripts/gpu_segment_joins.py", *args.argv]),
         "texts": len(texts), "segments_per_text": sum(len(t.segments) for t in texts) / len(texts),
         "max_frames": args.max_frames, "seconds_per_level": args.seconds, "level_timeout_s": args.level_timeout,
-        "build_s": built_s, "start_s": started_s, "levels": rows,
+        "engine": {"max_streams": engine.econfig.max_streams, "max_batch": engine.econfig.max_batch,
+                   "max_len": engine.econfig.max_len, "voice": VOICE},
+        "load_s": built_s, "ready_s": started_s, "levels": rows,
     }
 
 
@@ -348,7 +357,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="an existing checkpoint (a random one is written when absent)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="checkpoint folder (a random one of --size is written there when it holds none)")
     ap.add_argument("--size", default="1.7B", choices=["1.7B", "0.6B", "tiny"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--concurrency", default="1,64,256", help="comma-separated levels")

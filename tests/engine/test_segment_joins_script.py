@@ -54,9 +54,11 @@ def test_an_inserted_pause_and_a_timeline_gap_are_caught() -> None:
 
 
 def test_smoke_run_reports_joins_lateness_and_no_inserted_samples(tmp_path: Path) -> None:
-    out = tmp_path / "joins.json"
-    report = joins.main(["--size", "tiny", "--device", "cpu", "--concurrency", "1,2", "--seconds", "0.5",
-                         "--level-timeout", "60", "--max-frames", "16", "--quiet", "--out", str(out)])
+    out, model = tmp_path / "joins.json", tmp_path / "tiny-random"
+    report = joins.main(["--size", "tiny", "--device", "cpu", "--model", str(model), "--concurrency", "1,2",
+                         "--seconds", "0.5", "--level-timeout", "60", "--max-frames", "16", "--quiet",
+                         "--out", str(out)])
+    assert (model / "config.json").exists()  # written there, kept for the next run
     saved = json.loads(out.read_text())
     assert saved["levels"] and [r["concurrency"] for r in saved["levels"]] == [1, 2]
     assert saved["command"].endswith(f"--out {out}")
