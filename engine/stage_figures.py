@@ -1,0 +1,63 @@
+"""Rows and time per stage of the engine's step, for /metrics and the live load panel."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+STAGES = ("decode", "prefill", "sample", "codec")
+
+
+class StageFigures:
+    """Rows and time per stage, as running means over the steps where the stage ran.
+
+    On the GPU a stage is timed by CUDA events around its launches, read once the step's results
+    have reached the host (no extra synchronisation); on the CPU by the wall clock.
+    """
+
+    def __init__(self, cuda: bool, smoothing: float = 0.1) -> None:
+        self.cuda = cuda
+        self.smoothing = smoothing
+        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES] + ["prefill_tokens", "codec_frames"]
+        self._mean = dict.fromkeys(names, 0.0)  # every key up front: readers on other threads see a fixed dict
+        self._seen: set[str] = set()
+        self._open: list[tuple[str, object, object]] = []
+        self.steps = 0
+
+    def start(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, stage: str, started: object) -> None:
+        self._open.append((stage, started, self.start()))
+
+    def rows(self, name: str, value: float) -> None:
+        self._update(name, value)
+
+    def finish_step(self) -> None:
+        """Fold the step's stage times in (after its host read, so CUDA events are complete)."""
+        for stage, a, b in self._open:
+            if self.cuda:
+                b.synchronize()  # type: ignore[attr-defined]
+                ms = float(a.elapsed_time(b))  # type: ignore[attr-defined]
+            else:
+                ms = 1000 * (float(b) - float(a))  # type: ignore[arg-type]
+            self._update(f"step_ms_{stage}", ms)
+        self._open.clear()
+        self.steps += 1
+
+    def _update(self, name: str, value: float) -> None:
+        if name not in self._seen:
+            self._seen.add(name)
+            self._mean[name] = value
+        else:
+            self._mean[name] += self.smoothing * (value - self._mean[name])
+
+    def snapshot(self) -> dict[str, float]:
+        out = dict(self._mean)
+        out["steps"] = float(self.steps)
+        return out
