@@ -60,7 +60,10 @@ from gateway.quotas import Quotas
 log = logging.getLogger("cadence.session")
 
 FRAME_WRITER: Final = "cadence.frame_writer"  # the ASGI scope extension that carries a FrameWriter
-PACING_TICK_S: Final = 0.005  # paced audio is released on this grid (it divides every packet_ms)
+# Paced audio (an engine ahead of real time) is released on this grid, never before it is due: a
+# stream then takes one write per tick with every packet due by it (two 20 ms packets), half the
+# writes of one per packet, while its client keeps at least `realtime_lead_ms` - 40 ms buffered.
+PACING_TICK_S: Final = 0.04
 _CLOCK_SLACK_S: Final = 0.001  # the loop clock's granularity (1 ms under uvloop)
 
 
