@@ -9,6 +9,7 @@ to `forced_frames`.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -229,5 +230,8 @@ class NullEngine:
             now = loop.time()
             for stream in list(self._streams):
                 stream.tick(now)
-            next_tick = max(next_tick + TICK_S, now)  # never try to catch up a burst of ticks
+            next_tick += TICK_S
+            if next_tick < now:  # late by whole ticks: skip them, keeping the phase (a stream
+                # emits all it owes at the next one; a shifted phase would shift every stream)
+                next_tick += math.ceil((now - next_tick) / TICK_S) * TICK_S
             await asyncio.sleep(max(0.0, next_tick - loop.time()))
