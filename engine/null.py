@@ -119,7 +119,7 @@ class NullStream:
     def cancel(self) -> None:
         self.done = True
         self._channel.close()
-        self._engine._streams.discard(self)
+        self._engine._streams.pop(self, None)
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()
@@ -139,7 +139,7 @@ class NullStream:
         if self._text_closed and self._sent >= limit and not self.done:
             self._channel.put(AudioChunk(self.request_id, _TONE[:0], self._sent, final=True))
             self.done = True
-            self._engine._streams.discard(self)
+            self._engine._streams.pop(self, None)
         elif self._clock.running and self._clock.next_due <= now + TICK_S / 2:
             self._clock.running = False  # starved: restart in real time when text comes
 
@@ -178,7 +178,9 @@ class NullEngine:
         )
         self.max_streams = max_streams
         self.queue_limit = queue_limit
-        self._streams: set[NullStream] = set()
+        # open order, kept as streams come and go (a set's order changes as it grows): every tick
+        # serves the streams in the same order, so none moves back and forth within a tick
+        self._streams: dict[NullStream, None] = {}
         self._ticker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -215,7 +217,7 @@ class NullEngine:
         if len(self._streams) >= self.max_streams + self.queue_limit:
             raise Overloaded(retry_after_s=0.5)
         stream = NullStream(self, request)
-        self._streams.add(stream)
+        self._streams[stream] = None
         return stream
 
     async def register_voice(

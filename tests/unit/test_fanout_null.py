@@ -40,3 +40,31 @@ async def test_the_ticker_keeps_its_phase_through_a_stall() -> None:
     assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)  # nothing lost or repeated
     caught_up = [t for t, _ in arrivals[10:12]]
     assert max(caught_up) - min(caught_up) < 0.5 * TICK_S  # what the stall owed came at one tick
+
+
+async def test_every_tick_serves_the_streams_in_the_order_they_opened() -> None:
+    engine = NullEngine()
+    await engine.start()
+    order: list[str] = []
+    try:
+        streams = [engine.open(SynthesisRequest(f"r{i}")) for i in range(60)]
+        for stream in streams[::7]:  # some end early: the rest keep their order
+            stream.cancel()
+        live = [s for s in streams if not s.done]
+        for stream in live:
+            stream.push(TextSegment("word word", 0))
+        ticks_before = 3
+        for stream in live:  # record the order of the ticker's calls through each stream's channel
+            put = stream._channel.put
+
+            def recording(chunk: object, put: object = put, rid: str = stream.request_id) -> None:
+                order.append(rid)
+                put(chunk)  # type: ignore[operator]
+
+            stream._channel.put = recording  # type: ignore[method-assign]
+        await asyncio.sleep(ticks_before * TICK_S)
+    finally:
+        await engine.stop()
+    expected = [s.request_id for s in live]
+    rounds = [order[i : i + len(expected)] for i in range(0, len(order) - len(expected) + 1, len(expected))]
+    assert rounds and all(r == expected for r in rounds)
