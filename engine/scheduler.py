@@ -90,6 +90,7 @@ class Scheduler:
         self._last_schedule: float | None = None
         self.ttfa_window_s = 60.0
         self._ttfas: deque[tuple[float, float]] = deque()  # (time of first audio, TTFA) over the window
+        self._targets: dict[tuple[ChunkSchedule, int], int] = {}  # (schedule, chunk index) -> frames
         self.finished = 0  # requests ended, any status
 
     # -- inputs (called between steps) -------------------------------------------------------
@@ -424,18 +425,26 @@ class Scheduler:
                 best = b
         return best
 
-    def _codec_frames(self, r: Request, now: float) -> tuple[int, bool]:
+    def _chunk_target(self, schedule: ChunkSchedule, index: int) -> int:
+        """Frames of chunk `index`, snapped to a codec bucket (memoised: asked per row per step)."""
+        key = (schedule, index)
+        target = self._targets.get(key)
+        if target is None:
+            target = self._targets[key] = self._snap(chunk_frames(schedule, index))
+        return target
+
+    def _codec_frames(self, r: Request, now: float, deadline: float) -> tuple[int, bool]:
         """Frames of r to decode this step (0 = wait for more), and whether that is an early flush
         (below the schedule's size, because the listener's buffer runs low)."""
         pending = r.frames_pending
-        target = self._snap(chunk_frames(r.schedule, r.chunks_emitted))
+        target = self._chunk_target(r.schedule, r.chunks_emitted)
         if pending >= target:
             return target, False
         if not r.status.holds_kv:  # no frame is coming soon: flush what is there
             return self._snap(pending), False
         if r.chunks_emitted == 0:
             return 0, False
-        slack = r.deadline - now
+        slack = deadline - now
         if slack < (target - pending) * self.step_time_s + self.config.safety_margin_s:
             return self._snap(pending), True
         return 0, False
@@ -446,19 +455,23 @@ class Scheduler:
         for rid in plan.sampling_rows:
             r = self.requests[rid]
             fresh = r.frames_generated == 0 and r.chunks_emitted == 0 and r.codec_slot is not None
-            if fresh and self._snap(chunk_frames(r.schedule, 0)) == 1:
+            if fresh and self._chunk_target(r.schedule, 0) == 1:
                 out.append(FirstAudio(rid, r.codec_slot))
         return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
-        ready = [r for r in self.requests.values() if r.codec_slot is not None and r.frames_pending > 0]
-        ready.sort(key=lambda r: (r.chunks_emitted > 0, r.deadline))  # first chunks, then the most urgent
+        ready = [
+            (r.chunks_emitted > 0, r.deadline, i, r)
+            for i, r in enumerate(self.requests.values())
+            if r.codec_slot is not None and r.frames_pending > 0
+        ]
+        ready.sort()  # first chunks, then the most urgent (then the order the requests came in)
         work: list[CodecChunk] = []
         early = 0
-        for r in ready:
+        for _, deadline, _, r in ready:
             if len(work) >= self.config.max_codec_rows:
                 break
-            n, is_early = self._codec_frames(r, now)
+            n, is_early = self._codec_frames(r, now, deadline)
             if is_early:
                 if early >= self.config.max_early_codec_rows:
                     continue
