@@ -211,6 +211,9 @@ class WebhookSession(Session):
         self._notified: set[str] = set()
 
     def _execute(self, actions: list[Action]) -> None:
+        if self.protocol.webhook_url is None:  # nothing to notify (the per-packet path stays lean)
+            super()._execute(actions)
+            return
         out: list[Action] = []
         for action in actions:
             out.append(action)
