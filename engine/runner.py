@@ -30,7 +30,7 @@ from torch import Tensor
 
 from engine import sampling_kernel
 from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
-from engine.models import decode_attention, fused_norm
+from engine.models import decode_attention, fused_norm, fused_rope
 from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
@@ -168,6 +168,7 @@ class Runner:
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
             sampling_kernel.check(dev)
             fused_norm.check(dev)
+            fused_rope.check(dev)
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
         self.batches = batch_buckets(mb)
         self.decode_kernel = config.decode_kernel and decode_attention.available(dev)

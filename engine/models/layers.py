@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models import decode_attention, fused_norm
+from engine.models import decode_attention, fused_norm, fused_rope
 from engine.models.config import DecoderShape
 
 
@@ -117,10 +117,13 @@ class Attention(nn.Module):
         lengths [B] (one token per row, CUDA): each row attends its first lengths[row] positions,
         read straight from its slot by the decode kernel (no gathered copy)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fused_rope.available(q):
+            q, k = fused_rope.rope(q, cos, sin).transpose(1, 2), fused_rope.rope(k, cos, sin).transpose(1, 2)
+        else:
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if slots is None:
             out = self._attend_own_rows(q, k, v, k_cache, v_cache, kv_len)
         else:

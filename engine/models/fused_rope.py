@@ -1,0 +1,85 @@
+"""Rotary position embedding of a [B, T, heads, D] tensor as one Triton kernel (bf16, CUDA).
+
+Eagerly x * cos + rotate_half(x) * sin is some seven kernels per tensor, twice per layer (queries
+and keys), on every talker and code-predictor layer. The kernel keeps the eager rounding points
+(each product rounded to the tensor's dtype, then their sum). fp32 keeps the eager ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+log = logging.getLogger(__name__)
+enabled = True
+_checked: set[torch.device] = set()
+
+
+def available(x: Tensor) -> bool:
+    """bf16 on CUDA, checked once per device (the engine checks before capturing graphs)."""
+    if not (enabled and triton is not None and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    if x.device not in _checked:
+        check(x.device)
+    return enabled
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, HEAD_DIM: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one (batch, position, head) vector
+        token = row // heads
+        d = tl.arange(0, HEAD_DIM)
+        half: tl.constexpr = HEAD_DIM // 2
+        x = tl.load(x_ptr + row * HEAD_DIM + d).to(tl.float32)
+        partner = tl.load(x_ptr + row * HEAD_DIM + (d + half) % HEAD_DIM).to(tl.float32)
+        rotated = tl.where(d < half, -partner, partner)
+        cos = tl.load(cos_ptr + token * HEAD_DIM + d).to(tl.float32)
+        sin = tl.load(sin_ptr + token * HEAD_DIM + d).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        a = (x * cos).to(dtype).to(tl.float32)
+        b = (rotated * sin).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * HEAD_DIM + d, (a + b).to(dtype))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, heads, D]; cos/sin [B, T, D] -> rotated x [B, T, heads, D] (contiguous)."""
+    b, t, heads, d = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rope_kernel[(b * t * heads,)](x, cos.contiguous(), sin.contiguous(), out, heads, HEAD_DIM=d)
+    return out
+
+
+def check(device: torch.device) -> bool:
+    """Build the kernel and compare it with the eager rotation; on failure turn it off and say why."""
+    global enabled
+    from engine.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _checked.add(device)
+    if not (enabled and triton is not None and device.type == "cuda"):
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    try:
+        x = torch.randn(3, 2, 16, 128, generator=gen).to(device, torch.bfloat16)
+        positions = torch.randint(0, 512, (3, 2), generator=gen).to(device)
+        cos, sin = rope_cos_sin(rope_inv_freq(128, 1e6, device), positions, torch.bfloat16)
+        expected = apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+        if not torch.equal(rope(x, cos, sin), expected):
+            raise ValueError("differs from the eager rotation")
+    except Exception as exc:  # a Triton build problem must not stop the engine: the eager ops work
+        enabled = False
+        log.warning("fused rotary embedding disabled: %s", exc)
+        return False
+    return True
