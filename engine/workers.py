@@ -220,6 +220,22 @@ class WorkerStream:
             self.pool._forget(self.worker, self.rid)
 
 
+_MEAN_FIGURES = ("step_ms_", "batch_", "ttfa_p50", "kv_utilisation", "prefill_tokens", "codec_frames")
+
+
+def merge_worker_figures(figures: list[dict[str, float]]) -> dict[str, float]:
+    """The workers' engine figures as one engine's: per-step times, batch sizes, TTFA and
+    utilisation averaged over the workers that report them; counts and bytes summed."""
+    merged: dict[str, list[float]] = {}
+    for extra in figures:
+        for name, value in extra.items():
+            merged.setdefault(name, []).append(float(value))
+    return {
+        name: sum(values) / len(values) if name.startswith(_MEAN_FIGURES) else sum(values)
+        for name, values in merged.items()
+    }
+
+
 class WorkerPoolEngine:
     """An Engine that runs one engine per worker process and routes requests to the least loaded."""
 
@@ -372,12 +388,13 @@ class WorkerPoolEngine:
     def load(self) -> EngineLoad:
         live = self.live_workers()
         loads = [w.load for w in live if w.load is not None]
+        extra = merge_worker_figures([x.extra for x in loads])
+        extra.update({"workers_alive": float(len(live)), "workers": float(len(self.specs)),
+                      "worker_restarts": float(self.restarts)})
         return EngineLoad(
             active=sum(x.active for x in loads), queued=sum(x.queued for x in loads),
             capacity=sum(x.capacity for x in loads), queue_limit=sum(x.queue_limit for x in loads),
-            ready=bool(live) and all(x.ready for x in loads),
-            extra={"workers_alive": float(len(live)), "workers": float(len(self.specs)),
-                   "worker_restarts": float(self.restarts)},
+            ready=bool(live) and all(x.ready for x in loads), extra=extra,
         )
 
     def _pick(self) -> _Worker:
