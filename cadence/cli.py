@@ -42,7 +42,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", default=_env("insecure", "0") == "1",
                    help="serve a non-loopback host without API keys")
     p.add_argument("--gpus", default=_env("gpus", None),
-                   help="'all' or N: one engine worker process per GPU behind this gateway")
+                   help="'all' or N: one engine worker process per GPU behind this gateway; 0: the engine "
+                        "in this process (default: one worker for --engine qwen3 on a GPU)")
     p.add_argument("--redis", default=_env("redis", None),
                    help="redis://HOST:PORT/DB: share voices, quotas and control with other replicas")
     p.add_argument("--replica-id", default=_env("replica_id", None),

@@ -23,7 +23,9 @@ class EngineOptions:
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
     upstream_word_timestamps: bool = False  # vllm-omni: the server runs --forced-aligner
-    gpus: str | None = None  # "all" or N: one engine worker process per GPU (engine.workers)
+    # "all" or N: one engine worker process per GPU (engine.workers); "0": the engine in the
+    # gateway's process; None: one worker for the Qwen3 engine on a GPU (see default_gpus)
+    gpus: str | None = None
 
 
 def gpu_count(gpus: str) -> int:
@@ -53,15 +55,32 @@ def build_worker_pool(options: EngineOptions) -> Engine:
     device = options.device if options.device in ("auto", "cpu") else "cuda"
     specs = []
     for i in range(gpu_count(options.gpus or "1")):
-        single = replace(options, gpus=None, device=device)
+        single = replace(options, gpus="0", device=device)  # in the worker: the engine itself
         gpu = ids[i] if ids and i < len(ids) else str(i)
         specs.append(WorkerSpec(functools.partial(build_engine, single), {"CUDA_VISIBLE_DEVICES": gpu}, f"gpu{gpu}"))
     return WorkerPoolEngine(specs)
 
 
+def default_gpus(options: EngineOptions, cuda_available: bool) -> str | None:
+    """The Qwen3 engine on a GPU runs in a worker process unless told otherwise: its step thread then
+    shares no interpreter lock with the gateway's event loop (measured faster at 64 and 256 streams,
+    docs/deploy.md). An explicit device index keeps it in-process on that device."""
+    if options.gpus is not None:
+        return None if options.gpus == "0" else options.gpus
+    on_gpu = options.device == "cuda" or (options.device == "auto" and cuda_available)
+    return "1" if options.name == "qwen3" and on_gpu else None
+
+
 def build_engine(options: EngineOptions) -> Engine:
-    if options.gpus:
-        return build_worker_pool(options)
+    gpus = options.gpus
+    if gpus is None and options.name == "qwen3" and options.device in ("auto", "cuda"):
+        import torch
+
+        gpus = default_gpus(options, torch.cuda.is_available())
+    if gpus and gpus != "0":
+        from dataclasses import replace
+
+        return build_worker_pool(replace(options, gpus=gpus))
     if options.aligner:
         from dataclasses import replace
 

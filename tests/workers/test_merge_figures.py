@@ -20,3 +20,16 @@ def test_one_worker_passes_its_figures_through():
     only = {"step_ms_codec": 39.4, "kv_bytes_total": 3.7e10}
     assert merge_worker_figures([only]) == only
     assert merge_worker_figures([]) == {}
+
+
+def test_the_qwen3_engine_on_a_gpu_gets_its_own_worker_process_unless_told_otherwise():
+    from cadence.engines import EngineOptions, default_gpus
+
+    qwen3 = EngineOptions(name="qwen3", model="m")
+    assert default_gpus(qwen3, cuda_available=True) == "1"
+    assert default_gpus(qwen3, cuda_available=False) is None  # CPU: in-process
+    assert default_gpus(EngineOptions(name="qwen3", device="cuda"), cuda_available=True) == "1"
+    assert default_gpus(EngineOptions(name="qwen3", device="cuda:1"), cuda_available=True) is None
+    assert default_gpus(EngineOptions(name="qwen3", gpus="0"), cuda_available=True) is None
+    assert default_gpus(EngineOptions(name="qwen3", gpus="all"), cuda_available=True) == "all"
+    assert default_gpus(EngineOptions(name="espeak"), cuda_available=True) is None
