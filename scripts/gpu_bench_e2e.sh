@@ -6,7 +6,7 @@
 # Environment: SIZE (1.7B), CONC (1,64,256,512), SECONDS (20), REF_BATCHES (1,8), REF_FRAMES (40),
 #              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
 #              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
-#              (more `cadence serve` flags, e.g. "--gpus 1": the engine in its own worker process)
+#              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${SECONDS:-20}"
