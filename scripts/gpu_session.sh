@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in three parts, each within one 10-minute call on an H200, every
+# output under $OUT (or ./bench-out). Carry .whl/ (see scripts/gpu_env.sh) and run from the repo root:
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 1    # GPU tests + engine-only figures
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 2    # end-to-end sweep through the gateway
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 3    # FP8, segment joins, prefix cache, aligner
+# Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR="${OUTDIR:-${OUT:-./bench-out}}"; mkdir -p "$OUTDIR"
+PY="${PYTHON:-python3}"; CKPT="${CKPT:-.cache/cadence-random-1.7B}"
+export PYTHONUNBUFFERED=1
+run() {  # run SECONDS NAME COMMAND...: its output to $OUTDIR/NAME.txt, the tail to stdout
+  local limit=$1 name=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$OUTDIR/$name.txt" 2>&1; echo "   exit $?"
+  grep -v "━" "$OUTDIR/$name.txt" | tail -n "${TAIL:-14}"
+}
+case "${1:-}" in
+  1)
+    run 120 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+    run 420 engine $PY scripts/gpu_engine_bench.py --batches 1 64 256 512 --frames 64 --profile-batch 0
+    ;;
+  2)
+    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
+    export CONC="${CONC:-1,64,256,512}" SKIP_REF=1 OUTDIR="$OUTDIR"
+    export SECONDS=15  # seconds measured per concurrency level (read by gpu_bench_e2e.sh at its start)
+    run 560 e2e bash scripts/gpu_bench_e2e.sh
+    ;;
+  3)
+    [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
+    run 180 fp8 $PY scripts/gpu_fp8_bench.py --out "$OUTDIR/fp8.json" --engine-batches 1 256 --engine-variants talker
+    run 180 segment-joins $PY scripts/gpu_segment_joins.py --model "$CKPT" --out "$OUTDIR/segment-joins.json" --quiet
+    run 90 prefix-cache $PY scripts/gpu_prefix_cache.py --checkpoint "$CKPT"
+    run 50 aligner $PY scripts/gpu_aligner_bench.py --batches 1,8,32,64
+    run 50 aligner-sync $PY scripts/gpu_aligner_sync_ttfa.py
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3"; exit 2 ;;
+esac
