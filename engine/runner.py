@@ -225,13 +225,13 @@ class Runner:
         # from the prefix cache) ride in the decode graph; the sampling ones first
         merged = sorted((c for c in plan.prefill if c.length == 1), key=lambda c: not c.samples_frame)
         longer = [c for c in plan.prefill if c.length > 1]
+        sampling_merged = [c for c in merged if c.samples_frame]
         if plan.decode or merged:
             t = fig.start()
             h = self._decode(plan.decode, merged)
-            sampling = [c for c in merged if c.samples_frame]
-            hidden.append(h[: len(plan.decode) + len(sampling)])
+            hidden.append(h[: len(plan.decode) + len(sampling_merged)])
             meta += [(r.kv_slot, r.frame_index, r.utterance_frame * self.groups) for r in plan.decode]
-            meta += [(c.kv_slot, c.frame_index, c.utterance_frame * self.groups) for c in sampling]
+            meta += [(c.kv_slot, c.frame_index, c.utterance_frame * self.groups) for c in sampling_merged]
             self._keep_prefixes(merged)
             fig.stop("decode", t)
             fig.rows("batch_decode", len(plan.decode) + len(merged))
@@ -254,6 +254,11 @@ class Runner:
             codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
             fig.stop("sample", t)
             fig.rows("batch_sample", len(meta))
+            # rows were sampled decode, one-position prompts, longer prompts: back to the plan's order
+            ran = [r.request_id for r in plan.decode] + [c.request_id for c in sampling_merged]
+            ran += [c.request_id for c in longer if c.samples_frame]
+            by_request = dict(zip(ran, codes, strict=True))
+            codes = [by_request[rid] for rid in plan.sampling_rows]
         first = self._first_audio_chunks(plan, codes)
         codec = plan.codec + first
         if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling

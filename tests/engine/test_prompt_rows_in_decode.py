@@ -64,3 +64,30 @@ async def test_prompt_chunks_padded_into_buckets_equal_the_eager_forward(bundle)
     assert paths == {"bucket": len(TEXTS), "eager": 0}
     assert speak_together(eager) == first
     assert paths["eager"] == len(TEXTS)
+
+
+INSTRUCTION = "Speak slowly, please."  # a prompt of 24 positions; without an instruction: 10
+
+
+def speak_pair(engine: Qwen3Engine) -> dict[str, list[list[int]]]:
+    """A long prompt, and four steps later a short one: in chunks of 3 positions both prompts end
+    in the same step, the long one on a full chunk ahead of the short one's single position."""
+    states = {}
+    for rid, voice in (("long", {"instructions": INSTRUCTION}), ("short", {})):
+        stream = engine.open(SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True,
+                                              max_frames=6, **voice))  # type: ignore[arg-type]
+        states[rid] = engine.scheduler.requests[rid]
+        stream.push(TextSegment(TEXTS[0], char_start=0))
+        stream.close_text()
+        drive(engine, max_steps=4 if rid == "long" else 400)
+    return {rid: s.codes for rid, s in states.items()}
+
+
+async def test_codes_reach_their_requests_when_one_position_and_longer_prompt_chunks_share_a_step(bundle) -> None:  # noqa: F811
+    usual = speak_pair(make_engine(bundle, prefix_cache_bytes=0))
+    engine = make_engine(bundle, prefix_cache_bytes=0, max_prefill_chunk=3)
+    plans = recording(engine)
+    assert speak_pair(engine) == usual
+    ends = [[(c.request_id, c.length) for c in p.prefill if c.samples_frame] for p in plans]
+    # the runner samples one-position chunks before longer ones; the codes still reach their requests
+    assert [("long", 3), ("short", 1)] in ends
