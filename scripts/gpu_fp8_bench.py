@@ -1,7 +1,7 @@
 """FP8 talker weights against bf16 at the real Qwen3-TTS-1.7B shapes, random weights.
 
     python scripts/gpu_fp8_bench.py --out deploy/bench/fp8-h200-1.7b.json   # H200: about 3 minutes
-    python scripts/gpu_fp8_bench.py --tiny --device cpu --out /tmp/fp8.json  # smoke test (emulated FP8)
+    python scripts/gpu_fp8_bench.py --tiny --device cpu --out fp8-smoke.json  # smoke test (emulated FP8)
 
 Variants: bf16 and FP8 with targets from engine.models.fp8.TARGETS ("talker": the talker's decoder
 linears; "+code_predictor": also the code predictor's; "+heads": also codec_head and the lm_heads).
