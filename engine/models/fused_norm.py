@@ -5,15 +5,16 @@ decode step runs it four times per layer (input, post-attention, query and key n
 times per frame across the talker and the code predictor's 15 steps, where launches rather than
 bytes set the time at small batches. The kernel keeps the eager rounding points: normalise in fp32,
 round to bf16, multiply by the bf16 weight. fp32 (the parity runs) keeps the eager ops.
-`check()` compares the two on the device before first use and turns the kernel off if they differ.
+`check()` compares the two on the device before first use and turns the kernel off if they differ
+(engine.models.kernel_guard).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
+
+from engine.models.kernel_guard import KernelGuard
 
 try:
     import triton
@@ -21,19 +22,10 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-log = logging.getLogger(__name__)
-enabled = True
-_checked: set[torch.device] = set()
-
 
 def available(x: Tensor, weight: Tensor) -> bool:
-    """Whether the kernel serves this call: bf16 on CUDA, checked once per device (the engine runs
-    the check before capturing graphs, so it never runs inside a capture)."""
-    if not (enabled and triton is not None and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16):
-        return False
-    if x.device not in _checked:
-        check(x.device)
-    return enabled
+    """Whether the kernel serves this call: bf16 on CUDA, once checked on the device."""
+    return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and guard.ready(x.device)
 
 
 if triton is not None:
@@ -65,25 +57,16 @@ def eager_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def check(device: torch.device) -> bool:
-    """Build the kernel and compare it with the eager norm; on failure turn it off and say why."""
-    global enabled
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    _checked.add(device)
-    if not (enabled and triton is not None and device.type == "cuda"):
-        return False
+def _compare(device: torch.device) -> None:
     gen = torch.Generator(device="cpu").manual_seed(3)
-    try:
-        for rows, dim in ((37, 2048), (300, 128), (5, 1024)):
-            x = (torch.randn(rows, dim, generator=gen) * 4).to(device, torch.bfloat16)
-            w = (torch.rand(dim, generator=gen) + 0.5).to(device, torch.bfloat16)
-            expected, got = eager_rms_norm(x, w, 1e-6).float(), rms_norm(x, w, 1e-6).float()
-            # one bf16 rounding step at most (the fp32 sums may differ in their last bits)
-            if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2):
-                raise ValueError(f"differs from the eager norm by {(got - expected).abs().max().item():.3g}")
-    except Exception as exc:  # a Triton build problem must not stop the engine: the eager norm works
-        enabled = False
-        log.warning("fused RMSNorm disabled: %s", exc)
-        return False
-    return True
+    for rows, dim in ((37, 2048), (300, 128), (5, 1024)):
+        x = (torch.randn(rows, dim, generator=gen) * 4).to(device, torch.bfloat16)
+        w = (torch.rand(dim, generator=gen) + 0.5).to(device, torch.bfloat16)
+        expected, got = eager_rms_norm(x, w, 1e-6).float(), rms_norm(x, w, 1e-6).float()
+        # one bf16 rounding step at most (the fp32 sums may differ in their last bits)
+        if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2):
+            raise ValueError(f"differs from the eager norm by {(got - expected).abs().max().item():.3g}")
+
+
+guard = KernelGuard("fused RMSNorm", _compare, built=triton is not None)
+check = guard.check

@@ -7,10 +7,10 @@ and keys), on every talker and code-predictor layer. The kernel keeps the eager 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
+
+from engine.models.kernel_guard import KernelGuard
 
 try:
     import triton
@@ -18,18 +18,10 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-log = logging.getLogger(__name__)
-enabled = True
-_checked: set[torch.device] = set()
-
 
 def available(x: Tensor) -> bool:
-    """bf16 on CUDA, checked once per device (the engine checks before capturing graphs)."""
-    if not (enabled and triton is not None and x.is_cuda and x.dtype == torch.bfloat16):
-        return False
-    if x.device not in _checked:
-        check(x.device)
-    return enabled
+    """bf16 on CUDA, once checked on the device."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and guard.ready(x.device)
 
 
 if triton is not None:
@@ -60,26 +52,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
-def check(device: torch.device) -> bool:
-    """Build the kernel and compare it with the eager rotation; on failure turn it off and say why."""
-    global enabled
+def _compare(device: torch.device) -> None:
     from engine.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    _checked.add(device)
-    if not (enabled and triton is not None and device.type == "cuda"):
-        return False
     gen = torch.Generator(device="cpu").manual_seed(5)
-    try:
-        x = torch.randn(3, 2, 16, 128, generator=gen).to(device, torch.bfloat16)
-        positions = torch.randint(0, 512, (3, 2), generator=gen).to(device)
-        cos, sin = rope_cos_sin(rope_inv_freq(128, 1e6, device), positions, torch.bfloat16)
-        expected = apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
-        if not torch.equal(rope(x, cos, sin), expected):
-            raise ValueError("differs from the eager rotation")
-    except Exception as exc:  # a Triton build problem must not stop the engine: the eager ops work
-        enabled = False
-        log.warning("fused rotary embedding disabled: %s", exc)
-        return False
-    return True
+    x = torch.randn(3, 2, 16, 128, generator=gen).to(device, torch.bfloat16)
+    positions = torch.randint(0, 512, (3, 2), generator=gen).to(device)
+    cos, sin = rope_cos_sin(rope_inv_freq(128, 1e6, device), positions, torch.bfloat16)
+    if not torch.equal(rope(x, cos, sin), apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)):
+        raise ValueError("differs from the eager rotation")
+
+
+guard = KernelGuard("fused rotary embedding", _compare, built=triton is not None)
+check = guard.check
