@@ -278,8 +278,9 @@ async def server_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def command_line(argv: list[str] | None) -> str:
-    """The command that produced a run, as a person would type it again."""
-    args = sys.argv[1:] if argv is None else argv
+    """The command that produced a run, as a person would type it again (absolute paths, which name
+    the machine that ran it, by their file names)."""
+    args = [Path(a).name if a.startswith("/") else a for a in (sys.argv[1:] if argv is None else argv)]
     if Path(sys.argv[0]).name.startswith("cadence"):
         return shlex.join(["cadence", "bench", *args])
     return shlex.join(["python", "-m", "clients.loadtest", *args])

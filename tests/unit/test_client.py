@@ -152,3 +152,11 @@ def test_headline_is_largest_passing_concurrency() -> None:
     points = [point(1, 0.1, 50, 0), point(8, 0.5, 150, 0.5), point(32, 0.9, 250, 0), point(64, 1.2, 100, 0)]
     assert headline(points)["concurrency"] == 8
     assert headline([point(1, 2.0, 50, 0)])["concurrency"] == 0
+
+
+def test_a_runs_recorded_command_names_no_machine_path() -> None:
+    from clients.loadtest import command_line
+
+    line = command_line(["--concurrency", "1,64", "-o", "/srv/results/bench-1.7b.json", "--corpus", "deploy/x.jsonl"])
+    assert line.endswith("--concurrency 1,64 -o bench-1.7b.json --corpus deploy/x.jsonl")
+    assert "/srv" not in line
