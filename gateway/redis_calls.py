@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.websockets import WebSocket, WebSocketState
 
 from gateway.messages import encode
+from gateway.redis_pubsub import listen_forever
 from gateway.twilio import CLOSE_POLICY, AgentFrame, TwilioGateway, next_agent_frame
 
 log = logging.getLogger("cadence.calls")
@@ -191,23 +192,10 @@ class CallRouter:
 
     # -- pub/sub ------------------------------------------------------------------------------
     async def _listen_loop(self, subscribed: asyncio.Event) -> None:
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(self.channel, self.up_channel)
-                subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self._dispatch(message["channel"].decode(), json.loads(message["data"]))
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                raise
-            except (aioredis.RedisError, OSError, ValueError) as exc:
-                log.warning("call relay subscription lost (%s); resubscribing", exc)
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                await asyncio.sleep(0.2)
+        def on_message(channel: str, data: bytes) -> None:
+            self._dispatch(channel, json.loads(data))
+
+        await listen_forever(self.redis, (self.channel, self.up_channel), on_message, subscribed, "call relay")
 
     def _dispatch(self, channel: str, message: dict[str, Any]) -> None:
         """Synchronous, in arrival order: each link's messages reach its inbox in the order sent."""

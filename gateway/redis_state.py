@@ -38,6 +38,7 @@ from starlette.routing import BaseRoute, Route
 
 from engine.api import AudioChunk, Engine, SynthesisRequest, SynthesisStream, TextSegment
 from gateway.auth import ANONYMOUS
+from gateway.redis_pubsub import listen_forever
 from gateway.redis_quotas import SharedQuotas
 from gateway.redis_voices import SharedVoiceRegistry
 
@@ -302,31 +303,17 @@ class Cluster:
     async def _listen_loop(self, subscribed: asyncio.Event) -> None:
         channels = [f"{self.prefix}ctl:{self.replica_id}", f"{self.prefix}ctl:*",
                     f"{self.prefix}reply:{self.replica_id}", self.voices.events]
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(*channels)
-                subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    channel = message["channel"].decode()
-                    data = message["data"].decode()
-                    if channel == self.voices.events:
-                        self.spawn(self.voices.on_event(data))
-                    elif channel.startswith(f"{self.prefix}reply:"):
-                        self._on_reply(json.loads(data))
-                    else:
-                        self.spawn(self._on_request(json.loads(data)))
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                raise
-            except (aioredis.RedisError, OSError, ValueError) as exc:
-                log.warning("Redis subscription lost (%s); resubscribing", exc)
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                await asyncio.sleep(0.2)
+
+        def on_message(channel: str, raw: bytes) -> None:
+            data = raw.decode()
+            if channel == self.voices.events:
+                self.spawn(self.voices.on_event(data))
+            elif channel.startswith(f"{self.prefix}reply:"):
+                self._on_reply(json.loads(data))
+            else:
+                self.spawn(self._on_request(json.loads(data)))
+
+        await listen_forever(self.redis, channels, on_message, subscribed, "Redis control")
 
     # -- routes -------------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
