@@ -318,7 +318,7 @@ class Runner:
             embeds = torch.where(self.d_meta[3, :b, None].bool(), self.d_embeds[:b], embeds)
             lengths = None
             if self.decode_kernel:  # padded rows (the dummy slot) read one position, not the whole slot
-                lengths = torch.where(slots == self.dummy, 1, positions + 1)
+                lengths = torch.where(slots == self.dummy, 1, positions + 1).to(torch.int32)  # once, not per layer
             out = self.talker(embeds[:, None], positions[:, None], self.cache, slots, k, lengths)
             self.d_hidden[:b].copy_(out[:, 0])
 

@@ -76,7 +76,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     q = q.contiguous()
     out = torch.empty_like(q)
     _decode_kernel[(b, hkv)](
-        q, k_cache, v_cache, out, slots, lengths.to(torch.int32), scale,
+        q, k_cache, v_cache, out, slots, lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32), scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, HEAD_DIM=d,
