@@ -39,6 +39,7 @@ DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
 STREAMS_PER_PROCESS = 128
 GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
+ENGINE_FIGURE_METRIC = "cadence_engine_figure"
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +219,7 @@ def run_point(
             break
         time.sleep(0.2)
     window_end = time.perf_counter()
+    figures = engine_figures(args.metrics_url or metrics_url(args.url))  # under load, before draining
     shared.stop.set()
     progress.update(task, description=f"C={concurrency}: draining")
     records: list[RequestRecord] = []
@@ -234,7 +236,10 @@ def run_point(
         worker.join(timeout=10)
     progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
     gpu = gpu_memory_gb(args.metrics_url or metrics_url(args.url))
-    return summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+    point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+    if figures:
+        point["engine_figures"] = figures
+    return point
 
 
 def session_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -251,17 +256,35 @@ def metrics_url(stream_url: str) -> str:
     return base.split("/v1/")[0] + "/metrics"
 
 
-def gpu_memory_gb(url: str) -> float | None:
-    """Peak GPU memory from the gateway's /metrics, when the engine reports it."""
+def scrape(url: str) -> str:
+    """The gateway's /metrics text ('' when it cannot be read)."""
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
+            return str(response.read().decode())
     except OSError:
-        return None
-    for line in text.splitlines():
+        return ""
+
+
+def gpu_memory_gb(url: str) -> float | None:
+    """Peak GPU memory from the gateway's /metrics, when the engine reports it."""
+    for line in scrape(url).splitlines():
         if line.startswith(GPU_MEMORY_METRIC):
             return round(float(line.split()[-1]) / 1e9, 2)
     return None
+
+
+def engine_figures(url: str) -> dict[str, float]:
+    """The engine's load figures (stage times per step, batch sizes, KV, queue) from /metrics."""
+    return parse_engine_figures(scrape(url))
+
+
+def parse_engine_figures(text: str) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ENGINE_FIGURE_METRIC + '{name="'):
+            name = line[len(ENGINE_FIGURE_METRIC) + 7 :].split('"', 1)[0]
+            figures[name] = round(float(line.split()[-1]), 3)
+    return figures
 
 
 def _command_output(*command: str) -> str | None:
@@ -364,6 +387,9 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
                 f"underrun {point['underrun_streams_pct']} %, {point['chars_per_s']} chars/s, "
                 f"${point['usd_per_m_chars']}/M chars, errors {point['errors']}"
             )
+            stages = {k: v for k, v in point.get("engine_figures", {}).items() if k.startswith(("step_ms", "batch_"))}
+            if stages:
+                progress.console.print(f"  engine per step: {stages}")
             if point["rtf_p90"] is not None and point["rtf_p90"] > args.stop_rtf:
                 break
     if not args.no_plots and run["points"]:

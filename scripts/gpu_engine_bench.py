@@ -158,15 +158,24 @@ def breakdown(runner: Runner, b: int) -> dict:
 
 
 def profile(runner: Runner, cfg, args: argparse.Namespace, b: int) -> None:
+    """Where one replay of each graph at batch b spends its GPU time: kernel count and top kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
-    small = argparse.Namespace(**{**vars(args), "frames": 12})
-    with torch_profile(activities=acts) as prof:
-        run_batch(runner, cfg, small, b)
-    sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+    if runner.device.type != "cuda":
+        return
+    from engine.cuda_graphs import bucket_for
+
+    bb = bucket_for(b, runner.batches)
+    for key in (("decode", bb, runner.kv_buckets[-1]), ("sample", bb, True)):
+        time_replay(runner, key, iters=3)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            time_replay(runner, key, iters=5)
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        kernels = sum(e.count for e in events) / 6
+        total = sum(e.self_device_time_total for e in events) / 6 / 1000
+        print(f"\nprofile {key}: {kernels:.0f} kernels per replay, {total:.2f} ms of kernel time")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
 def main() -> None:
@@ -182,7 +191,7 @@ def main() -> None:
     ap.add_argument("--codec-dtype", default="float32")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batch", type=int, nargs="*", default=[64], help="batch sizes to profile")
     ap.add_argument("--watchdog", type=float, default=90.0,
                     help="print every thread's stack if a phase takes longer than this (s)")
     args = ap.parse_args()
@@ -204,8 +213,9 @@ def main() -> None:
         row = run_batch(runner, cfg, args, b) | breakdown(runner, b)
         rows.append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    if args.profile_batch in args.batches:
-        profile(runner, cfg, args, args.profile_batch)
+    for b in args.profile_batch:
+        if b in args.batches:
+            profile(runner, cfg, args, b)
     peak = torch.cuda.max_memory_allocated() / 2**30 if runner.device.type == "cuda" else float("nan")
     print(f"\npeak memory {peak:.2f} GiB; KV bytes per stream {runner.kv_bytes_per_stream / 2**20:.1f} MiB "
           f"({runner.kv_bytes_per_token} B/token, max_len {args.max_len}); "

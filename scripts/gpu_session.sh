@@ -19,7 +19,7 @@ run() {  # run SECONDS NAME COMMAND...: its output to $OUTDIR/NAME.txt, the tail
 case "${1:-}" in
   1)
     run 120 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-    run 420 engine $PY scripts/gpu_engine_bench.py --batches 1 64 256 512 --frames 64 --profile-batch 0
+    run 420 engine $PY scripts/gpu_engine_bench.py --batches 1 64 256 512 --frames 64 --profile-batch 1 256
     ;;
   2)
     [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"

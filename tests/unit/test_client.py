@@ -160,3 +160,17 @@ def test_a_runs_recorded_command_names_no_machine_path() -> None:
     line = command_line(["--concurrency", "1,64", "-o", "/srv/results/bench-1.7b.json", "--corpus", "deploy/x.jsonl"])
     assert line.endswith("--concurrency 1,64 -o bench-1.7b.json --corpus deploy/x.jsonl")
     assert "/srv" not in line
+
+
+def test_engine_figures_are_read_from_the_gateways_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from clients.loadtest import parse_engine_figures
+    from engine.api import EngineLoad
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    extra = {"step_ms_decode": 7.25, "batch_sample": 256.0, "gpu_memory_peak_bytes": 5e10}
+    metrics.observe_engine(EngineLoad(active=3, queued=1, capacity=8, queue_limit=4, extra=extra))
+    assert parse_engine_figures(generate_latest(metrics.registry).decode()) == extra
+    assert parse_engine_figures("cadence_engine_active 3.0\n") == {}
