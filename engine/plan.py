@@ -82,6 +82,8 @@ class StepPlan:
     # requests whose first frame this step samples and whose first chunk is that one frame: the
     # runner decodes it right after sampling, in this step, instead of in the next step's codec
     first_audio_now: list[FirstAudio] = field(default_factory=list)
+    # Code2Wav audio is still on its way from an earlier step: run the step to collect it
+    audio_in_flight: bool = False
 
     @property
     def sampling_rows(self) -> list[str]:
@@ -90,7 +92,10 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.decode or self.prefill or self.codec or self.codec_resets or self.prefix_copies)
+        return not (
+            self.decode or self.prefill or self.codec or self.codec_resets or self.prefix_copies
+            or self.audio_in_flight
+        )
 
 
 @dataclass(slots=True)
@@ -99,6 +104,9 @@ class StepOutput:
     codes: list[list[int]] = field(default_factory=list)
     # request id -> float32 samples of its codec chunk (num_frames * samples_per_frame)
     audio: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    # (request id, frames) of the chunks in `audio`, when they are not simply this plan's chunks: a
+    # runner that defers Code2Wav delivers a step's chunks with the next step's output
+    delivered: list[tuple[str, int]] | None = None
 
 
 @dataclass(slots=True)

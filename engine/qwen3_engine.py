@@ -66,6 +66,7 @@ class Qwen3EngineConfig:
     # audio-s/s in bf16), while graphs of 512 rows would hold tens of GiB of activations
     max_codec_batch: int = 64
     enforce_eager: bool = False
+    defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
     # voices' text-independent prompt prefixes kept as talker KV (engine.prefix_cache); 0 turns it off
@@ -230,9 +231,10 @@ class Qwen3Engine:
                 num_slots=layout.num_slots, max_len=ec.max_len, codec_slots=ec.max_streams,
                 max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
                 codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
-                enforce_eager=ec.enforce_eager,
+                enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec,
             ),
         )
+        self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)
         self.model_name = model_name
         self.prefix_cache = PrefixKVCache(ec.prefix_cache_bytes) if ec.prefix_cache_bytes > 0 else None
         if self.prefix_cache is not None:

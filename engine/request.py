@@ -76,8 +76,9 @@ class Request:
     done_segments: list[Segment] = field(default_factory=list)
     text_closed: bool = False
     codes: list[list[int]] = field(default_factory=list)  # every generated frame: 16 codes each
-    frames_decoded: int = 0  # frames turned into audio by Code2Wav
-    chunks_emitted: int = 0
+    frames_decoded: int = 0  # frames whose audio came back from Code2Wav
+    frames_launched: int = 0  # frames handed to Code2Wav (their audio may still be on its way)
+    chunks_emitted: int = 0  # chunks handed to Code2Wav
     first_audio_time: float | None = None
     preemptions: int = 0
     error: str | None = None
@@ -89,8 +90,13 @@ class Request:
 
     @property
     def frames_pending(self) -> int:
-        """Generated frames not yet decoded to audio."""
-        return len(self.codes) - self.frames_decoded
+        """Generated frames not yet handed to Code2Wav."""
+        return len(self.codes) - self.frames_launched
+
+    @property
+    def frames_in_flight(self) -> int:
+        """Frames handed to Code2Wav whose audio has not come back yet."""
+        return self.frames_launched - self.frames_decoded
 
     @property
     def samples_emitted(self) -> int:
@@ -106,7 +112,7 @@ class Request:
         the first chunk, then the moment the listener's buffer runs dry (real-time playback)."""
         if self.first_audio_time is None:
             return self.arrival_time + self.ttfa_target_s
-        return self.first_audio_time + self.audio_seconds_emitted
+        return self.first_audio_time + self.frames_launched * SAMPLES_PER_FRAME / SAMPLE_RATE
 
     @property
     def ttfa(self) -> float | None:

@@ -99,6 +99,9 @@ class RunnerConfig:
     # H200, replaying the codec graphs concurrently with the talker's hung (or, sharing one pool,
     # tripped an index assert) at batch 64; on one stream the codec is launched after sampling
     codec_overlap: bool = False
+    # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
+    # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
+    defer_codec: bool | None = None
 
 
 PRIME_CHUNK_FRAMES = 25  # reference frames per priming call of the codec
@@ -170,6 +173,9 @@ class Runner:
             fused_norm.check(dev)
             fused_rope.check(dev)
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
+        defer = cuda if config.defer_codec is None else config.defer_codec
+        self.defers_codec = defer and not config.codec_overlap
+        self._deferred: Callable[[], tuple[dict[str, np.ndarray], list[tuple[str, int]]]] | None = None
         self.batches = batch_buckets(mb)
         self.decode_kernel = config.decode_kernel and decode_attention.available(dev)
         kv_buckets = () if self.decode_kernel else config.kv_buckets
@@ -261,19 +267,43 @@ class Runner:
             codes = [by_request[rid] for rid in plan.sampling_rows]
         first = self._first_audio_chunks(plan, codes)
         codec = plan.codec + first
+        delivered = None
         if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling
-            t = fig.start()
-            collect_audio = self._launch_codec(codec, plan.codec_resets)
-            if codec:
-                fig.stop("codec", t)
-            audio = collect_audio()
+            audio, delivered = self._run_codec(plan, first)
         else:  # the scheduled chunks ran beside the talker; first frames follow their sampling
             audio = collect_audio() | self._launch_codec(first, [])()
         if codec:
             fig.rows("batch_codec", len(codec))
             fig.rows("codec_frames", sum(c.num_frames for c in codec))
         fig.finish_step()
-        return StepOutput(codes=codes, audio=audio)
+        return StepOutput(codes=codes, audio=audio, delivered=delivered)
+
+    def _run_codec(
+        self, plan: StepPlan, first: list[CodecChunk]
+    ) -> tuple[dict[str, np.ndarray], list[tuple[str, int]] | None]:
+        """Code2Wav after sampling -> this step's audio and, when deferring, the chunks it holds.
+
+        Deferring, first chunks are decoded and collected now (time to first audio); the others are
+        collected by the next step, so the host plans it while the GPU decodes them."""
+        later = [c for c in plan.codec if not c.first_chunk] if self.defers_codec else []
+        now = [c for c in plan.codec if c.first_chunk] + first if self.defers_codec else plan.codec + first
+        t = self.figures.start()
+        collect_now = self._launch_codec(now, plan.codec_resets)
+        collect_later = self._launch_codec(later, [])
+        if now or later:
+            self.figures.stop("codec", t)
+        if not self.defers_codec:
+            return collect_now(), None
+        audio: dict[str, np.ndarray] = {}
+        delivered: list[tuple[str, int]] = []
+        if self._deferred is not None:  # launched before this step's talker work: already done
+            audio, delivered = self._deferred()
+            self._deferred = None
+        audio |= collect_now()
+        delivered += [(c.request_id, c.num_frames) for c in now]
+        if later:
+            self._deferred = lambda: (collect_later(), [(c.request_id, c.num_frames) for c in later])
+        return audio, delivered
 
     def _first_audio_chunks(self, plan: StepPlan, codes: list[list[int]]) -> list[CodecChunk]:
         """One-frame chunks of the requests whose first frame this step sampled (EOS gives none)."""
@@ -508,9 +538,9 @@ class Runner:
                     rows = group[part]
                     pieces.append((rows, self._decode_codec(rows, f)))
             host = [(rows, wav.to("cpu", non_blocking=True)) for rows, wav in pieces]
-            done = torch.cuda.Event() if self.codec_stream is not None else None
-            if done is not None:
-                done.record(self.codec_stream)
+            done = torch.cuda.Event() if self.device.type == "cuda" else None
+            if done is not None:  # the copies above are asynchronous: collect() waits for them
+                done.record()
 
         def collect() -> dict[str, np.ndarray]:
             if done is not None:

@@ -49,6 +49,7 @@ class SchedulerConfig:
     eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
     ttfa_target_s: float = 0.025
     safety_margin_s: float = 0.1  # emit a short chunk when the buffer would run dry sooner than this
+    codec_delivery_steps: int = 0  # steps between a chunk's launch and its audio (deferring runner)
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
     def __post_init__(self) -> None:
@@ -206,7 +207,12 @@ class Scheduler:
             rows += 1
             plan.num_prefill_tokens += n
         plan.codec = self._schedule_codec(now)
+        for c in plan.codec:
+            r = self.requests[c.request_id]
+            r.frames_launched += c.num_frames
+            r.chunks_emitted += 1
         plan.first_audio_now = self._first_audio_now(plan)
+        plan.audio_in_flight = any(r.frames_in_flight for r in self.requests.values())
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
@@ -238,10 +244,15 @@ class Scheduler:
             r = self._live(rid)
             if r is not None:
                 self._append_frame(r, codes, out_for)
-        decoded = [(c.request_id, c.num_frames) for c in plan.codec]
-        # a first frame decoded in its own step (absent when that frame was EOS)
-        decoded += [(f.request_id, 1) for f in plan.first_audio_now if f.request_id in output.audio]
-        for rid, frames in decoded:
+        for f in plan.first_audio_now:  # a first frame decoded in its own step (none when it was EOS)
+            r = self._live(f.request_id)
+            if r is not None and r.frames_generated and not r.frames_launched:
+                r.frames_launched, r.chunks_emitted = 1, r.chunks_emitted + 1
+        delivered = output.delivered
+        if delivered is None:  # the runner decoded this plan's chunks in this step
+            delivered = [(c.request_id, c.num_frames) for c in plan.codec]
+            delivered += [(f.request_id, 1) for f in plan.first_audio_now if f.request_id in output.audio]
+        for rid, frames in delivered:
             r = self._live(rid)
             if r is None:
                 continue
@@ -249,7 +260,6 @@ class Scheduler:
             o.sample_offset = r.samples_emitted
             o.audio = output.audio.get(rid)
             r.frames_decoded += frames
-            r.chunks_emitted += 1
             if r.first_audio_time is None:
                 r.first_audio_time = now
                 self._ttfas.append((now, now - r.arrival_time))
@@ -286,7 +296,7 @@ class Scheduler:
         """True when schedule() would produce something to run."""
         if self.running or self._freed_kv or self._codec_resets:
             return True
-        if any(r.frames_pending > 0 for r in self.requests.values() if r.codec_slot is not None):
+        if any(r.frames_pending or r.frames_in_flight for r in self.requests.values() if r.codec_slot is not None):
             return True
         return any(self._can_admit(r) for r in self.waiting)
 
@@ -400,7 +410,7 @@ class Scheduler:
         r.status = RequestStatus.DRAINING if r.text_closed else RequestStatus.WAITING_FOR_TEXT
 
     def _finish_if_drained(self, r: Request) -> list[RequestOutput]:
-        if r.status == RequestStatus.DRAINING and r.frames_pending == 0:
+        if r.status == RequestStatus.DRAINING and r.frames_pending == 0 and r.frames_in_flight == 0:
             return [self._finish(r, RequestStatus.FINISHED_STOPPED)]
         return []
 
@@ -445,7 +455,8 @@ class Scheduler:
         if r.chunks_emitted == 0:
             return 0, False
         slack = deadline - now
-        if slack < (target - pending) * self.step_time_s + self.config.safety_margin_s:
+        steps = target - pending + self.config.codec_delivery_steps
+        if slack < steps * self.step_time_s + self.config.safety_margin_s:
             return self._snap(pending), True
         return 0, False
 
@@ -477,7 +488,7 @@ class Scheduler:
                     continue
                 early += 1
             if n:
-                start = r.frames_decoded
+                start = r.frames_launched
                 work.append(
                     CodecChunk(
                         request_id=r.request_id,

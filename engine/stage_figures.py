@@ -39,15 +39,19 @@ class StageFigures:
         self._update(name, value)
 
     def finish_step(self) -> None:
-        """Fold the step's stage times in (after its host read, so CUDA events are complete)."""
+        """Fold in the stage times whose work is done; work still running on the GPU (Code2Wav
+        chunks collected next step) is folded in by a later step, without waiting for it here."""
+        running = []
         for stage, a, b in self._open:
             if self.cuda:
-                b.synchronize()  # type: ignore[attr-defined]
+                if not b.query():  # type: ignore[attr-defined]
+                    running.append((stage, a, b))
+                    continue
                 ms = float(a.elapsed_time(b))  # type: ignore[attr-defined]
             else:
                 ms = 1000 * (float(b) - float(a))  # type: ignore[arg-type]
             self._update(f"step_ms_{stage}", ms)
-        self._open.clear()
+        self._open = running
         self.steps += 1
 
     def _update(self, name: str, value: float) -> None:

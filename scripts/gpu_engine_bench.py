@@ -88,7 +88,8 @@ def run_batch(runner: Runner, cfg, args: argparse.Namespace, b: int) -> dict:
     sched = Scheduler(SchedulerConfig(max_batch=runner.config.max_batch, codec_slots=runner.config.codec_slots,
                                       max_tokens_per_step=max(512, b + args.prompt),
                                       max_codec_rows=runner.config.max_codec_batch,
-                                      queue_limit=0), KVCacheManager(layout))
+                                      queue_limit=0, codec_delivery_steps=int(runner.defers_codec)),
+                      KVCacheManager(layout))
     hidden = cfg.talker.hidden_size
     t0 = time.perf_counter()
     for i in range(b):

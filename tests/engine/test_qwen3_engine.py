@@ -74,8 +74,9 @@ def open_greedy(engine, rid: str, text: str, frames: int):
     return stream, state
 
 
-async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
-    engine = make_engine(bundle)
+@pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
+async def test_stream_produces_contiguous_audio_with_estimated_words(bundle, defer):
+    engine = make_engine(bundle, defer_codec=defer)
     stream, state = open_greedy(engine, "a", "Hello world. How are you?", 5)
     drive(engine)
     chunks = await collect(stream)
@@ -93,9 +94,10 @@ async def test_stream_produces_contiguous_audio_with_estimated_words(bundle):
     assert state.status == RequestStatus.FINISHED_STOPPED
 
 
-async def test_batched_greedy_output_equals_offline_generation_and_streamed_audio_equals_offline_decode(bundle):
+@pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
+async def test_batched_greedy_output_equals_offline_generation_and_streamed_audio_equals_offline_decode(bundle, defer):
     _, codec = bundle
-    engine = make_engine(bundle)
+    engine = make_engine(bundle, defer_codec=defer)
     texts = {"a": ("Hello world.", 4), "b": ("The quick brown fox jumps over the lazy dog.", 6),
              "c": ("Good morning", 3)}
     opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
@@ -111,9 +113,10 @@ async def test_batched_greedy_output_equals_offline_generation_and_streamed_audi
         np.testing.assert_allclose(audio, offline, atol=1e-4)
 
 
-async def test_multi_segment_utterance_continues_one_codec_stream(bundle):
+@pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
+async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer):
     _, codec = bundle
-    engine = make_engine(bundle)
+    engine = make_engine(bundle, defer_codec=defer)
     stream = engine.open(SynthesisRequest(request_id="m", voice="ryan", language="English", greedy=True,
                                           max_frames=3))
     state = engine.scheduler.requests["m"]
@@ -157,3 +160,27 @@ def test_load_reports_kv_bytes_per_stream(bundle):
     assert load.capacity == 4 and load.active == 0
     assert load.extra["kv_bytes_per_stream"] == per_token * 129
     assert load.extra["kv_bytes_per_token"] == per_token
+
+
+async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle):
+    engine = make_engine(bundle, defer_codec=True)
+    steps = []
+    execute = engine.runner.execute
+
+    def recording(plan):
+        out = execute(plan)
+        steps.append((plan, out))
+        return out
+
+    engine.runner.execute = recording
+    stream, state = open_greedy(engine, "d", "The quick brown fox jumps over the lazy dog.", 8)
+    drive(engine)
+    chunks = await collect(stream)
+    assert state.status == RequestStatus.FINISHED_STOPPED and sum(len(c.samples) for c in chunks) == 8 * 1920
+    later = [[(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk] for plan, _ in steps]
+    assert any(later), "the schedule should have produced chunks after the first"
+    for i, (plan, out) in enumerate(steps):
+        now = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk]
+        now += [(f.request_id, 1) for f in plan.first_audio_now]
+        assert out.delivered == (later[i - 1] if i else []) + now, f"step {i}"
+        assert all(out.audio[rid].size == n * 1920 for rid, n in out.delivered)
