@@ -27,6 +27,16 @@ def available(x: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _round(v, dtype: tl.constexpr):
+        """v (fp32) rounded to `dtype` and back, as eager rounds each product. For bf16 with integer
+        ops (nearest, ties to even): a plain cast pair was folded into an FMA by the compiler."""
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            return bits.to(tl.float32, bitcast=True)
+        return v.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, HEAD_DIM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one (batch, position, head) vector
         token = row // heads
@@ -38,8 +48,8 @@ if triton is not None:
         cos = tl.load(cos_ptr + token * HEAD_DIM + d).to(tl.float32)
         sin = tl.load(sin_ptr + token * HEAD_DIM + d).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
-        a = (x * cos).to(dtype).to(tl.float32)
-        b = (rotated * sin).to(dtype).to(tl.float32)
+        a = _round(x * cos, dtype)
+        b = _round(rotated * sin, dtype)
         tl.store(out_ptr + row * HEAD_DIM + d, (a + b).to(dtype))
 
 
