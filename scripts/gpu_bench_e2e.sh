@@ -6,7 +6,8 @@
 # Environment: SIZE (1.7B), CONC (1,64,256,512), SECONDS (20), REF_BATCHES (1,8), REF_FRAMES (40),
 #              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
 #              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
-#              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process)
+#              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process),
+#              PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${SECONDS:-20}"
@@ -29,6 +30,10 @@ for _ in range(240):
 else:
     raise SystemExit(1)
 PYEOF
+if [ -n "${PYSPY_AT:-}" ]; then  # sample the server's stacks (all processes) for PYSPY_FOR s, PYSPY_AT s into the load
+  (sleep "$PYSPY_AT"; py-spy record --pid $server --subprocesses --duration "${PYSPY_FOR:-15}" --rate 200 \
+     --format raw -o "$OUTDIR/pyspy-$tag.txt" > "$OUTDIR/pyspy-$tag.log" 2>&1) &
+fi
 timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --concurrency "$CONC" \
   --min-seconds "$SECONDS_PER_POINT" --max-seconds "$((SECONDS_PER_POINT + 15))" --warmup-seconds 5 \
   --voice ryan --language English --model-shapes "$SIZE" --metrics-url "http://127.0.0.1:$PORT/metrics" \
