@@ -110,7 +110,8 @@ def tokenize_request(tokenizer: TextTokenizer, cfg: Qwen3TTSConfig, req: PromptR
 
 
 def _ids(values: list[int], device: torch.device) -> Tensor:
-    return torch.tensor([values], dtype=torch.long, device=device)
+    # copied without waiting for the GPU: prompts are built while the previous step still runs
+    return torch.tensor([values], dtype=torch.long).to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -140,9 +141,9 @@ def build_prompt_embeds(
         tags = [tc.codec_think_id, tc.codec_think_bos_id, tokens.language_id, tc.codec_think_eos_id]
     codec_parts = [talker.embed_codec(_ids(tags, device))]
     if speaker_embedding is not None:
-        codec_parts.append(speaker_embedding.to(device=device, dtype=dtype).view(1, 1, -1))
+        codec_parts.append(speaker_embedding.to(device=device, dtype=dtype, non_blocking=True).view(1, 1, -1))
     elif tokens.speaker_id is not None:
-        codec_parts.append(talker.embed_codec(torch.tensor(tokens.speaker_id, device=device)).view(1, 1, -1))
+        codec_parts.append(talker.embed_codec(_ids([tokens.speaker_id], device)[0, 0]).view(1, 1, -1))
     codec_parts.append(talker.embed_codec(_ids([tc.codec_pad_id, tc.codec_bos_id], device)))
     codec = torch.cat(codec_parts, dim=1)
 
@@ -154,7 +155,7 @@ def build_prompt_embeds(
         if tokens.ref_ids is None:
             raise ValueError("reference codes given without reference text ids")
         icl, trailing = _icl_prompt(
-            talker, cfg, ids[:, 3:-5], _ids(tokens.ref_ids, device)[:, 3:-2], ref_codes.to(device),
+            talker, cfg, ids[:, 3:-5], _ids(tokens.ref_ids, device)[:, 3:-2], ref_codes.to(device, non_blocking=True),
             tts_pad, tts_eos, non_streaming,
         )
         prompt = torch.cat((prompt, icl), dim=1)

@@ -199,6 +199,11 @@ class Runner:
     def kv_bytes_per_stream(self) -> int:
         return self.kv_bytes_per_token * (self.config.max_len + 1)
 
+    def _to_device(self, values: list[int] | list[list[int]]) -> Tensor:
+        """A small long tensor on the device without waiting for the GPU (a plain
+        torch.tensor(..., device=cuda) blocks until the stream's queued work is done)."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
     # -- prompts -------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, prompt: SegmentPrompt) -> int:
@@ -371,7 +376,9 @@ class Runner:
             out = self._prefill_bucket(chunks, rows, r, t)
         self._keep_prefixes(chunks)
         sampling = [i for i, c in enumerate(chunks) if c.samples_frame]
-        return out[sampling] if sampling else None
+        if not sampling:
+            return None
+        return out[: len(sampling)] if sampling == list(range(len(sampling))) else out[self._to_device(sampling)]
 
     def _prefill_bucket(self, chunks: list[PrefillChunk], rows: list[Tensor], r: int, t: int) -> Tensor:
         """Padded into the (r rows, t positions) buffers and run as that bucket's graph; padding
@@ -423,7 +430,7 @@ class Runner:
         assert prompt is not None, "segment prompt not prepared"
         ctx = prompt.prefill.to(self.dtype)
         if c.codes and c.start + c.length > c.prompt_len:
-            codes = torch.tensor(c.codes, dtype=torch.long, device=self.device)
+            codes = self._to_device(c.codes)
             index = torch.clamp(torch.arange(len(c.codes), device=self.device), max=self.trail_len[c.kv_slot])
             frames = self.talker.frame_embedding(codes) + self.trail[c.kv_slot, index]
             ctx = torch.cat((ctx, frames))
@@ -444,13 +451,13 @@ class Runner:
         forced = c.payload.forced_frames
         min_new, end_at = (forced, forced) if forced is not None else (s.min_new_tokens, s.end_at)
         ints = [s.top_k, s.sub_top_k, s.seed & SEED_MASK, min_new, end_at]
-        self.p_float[slot] = torch.tensor(floats, dtype=torch.float32)
-        self.p_int[slot] = torch.tensor(ints, dtype=torch.long)
-        self.p_bool[slot] = torch.tensor([s.greedy, s.sub_greedy])
+        self.p_float[slot].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
+        self.p_int[slot].copy_(torch.tensor(ints, dtype=torch.long), non_blocking=True)
+        self.p_bool[slot].copy_(torch.tensor([s.greedy, s.sub_greedy]), non_blocking=True)
         self.bounded[slot] = top_k_within_bound(s.top_k, s.greedy) and top_k_within_bound(s.sub_top_k, s.sub_greedy)
         self.seen[slot] = False
         if c.codes:
-            first = torch.tensor([f[0] for f in c.codes], dtype=torch.long, device=self.device)
+            first = self._to_device([f[0] for f in c.codes])
             self.seen[slot, first] = True
 
     # -- sampling + code predictor -------------------------------------------------------------
@@ -528,7 +535,7 @@ class Runner:
             if self.codec_stream is not None:
                 self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
             if resets:
-                self.codec.reset(torch.tensor(resets, dtype=torch.long, device=self.device))
+                self.codec.reset(self._to_device(resets))
             self._prime_codec()
             by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
             for c in chunks:
@@ -558,9 +565,9 @@ class Runner:
         """Run pending reference clips through their slots' decoder state; the audio is dropped."""
         while self._codec_primes:
             slot, codes = self._codec_primes.popitem()
-            slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+            slots = self._to_device([slot])
             for start in range(0, codes.shape[0], PRIME_CHUNK_FRAMES):
-                part = codes[start : start + PRIME_CHUNK_FRAMES].to(self.device, torch.long)
+                part = codes[start : start + PRIME_CHUNK_FRAMES].to(self.device, torch.long, non_blocking=True)
                 self.codec.decode_step(slots, part[None])
 
     def _decode_codec(self, rows: list[CodecChunk], f: int) -> Tensor:
