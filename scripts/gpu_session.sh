@@ -4,6 +4,7 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 1    # GPU tests + engine-only figures
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 2    # end-to-end sweep through the gateway
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 3    # FP8, segment joins, prefix cache, aligner
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 4    # all of it, shortened, in one call
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -35,5 +36,15 @@ case "${1:-}" in
     run 50 aligner $PY scripts/gpu_aligner_bench.py --batches 1,8,32,64
     run 50 aligner-sync $PY scripts/gpu_aligner_sync_ttfa.py
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3"; exit 2 ;;
+  4)  # a short session's single call: GPU tests, a three-point sweep, prefix cache, aligner, FP8
+    run 45 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
+    (export CONC="${CONC:-1,256,384}" SKIP_REF=1 OUTDIR="$OUTDIR" SECONDS=12; run 230 e2e bash scripts/gpu_bench_e2e.sh)
+    run 100 prefix-cache $PY scripts/gpu_prefix_cache.py --checkpoint "$CKPT"
+    run 40 aligner $PY scripts/gpu_aligner_bench.py --batches 1,8,32,64
+    run 35 aligner-sync $PY scripts/gpu_aligner_sync_ttfa.py
+    run 130 fp8 $PY scripts/gpu_fp8_bench.py --out "$OUTDIR/fp8.json" --variants talker --frames 100 --rows 4 \
+      --engine-batches 256 --engine-variants talker
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4"; exit 2 ;;
 esac

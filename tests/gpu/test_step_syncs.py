@@ -1,0 +1,63 @@
+"""The engine's step waits for the GPU only where it reads results: the sampled codes and the
+decoded audio. Every other host->device copy (prompt ids, slot tables, codec resets) must not
+block, or the host could not plan a step while the GPU still runs the last one's Code2Wav chunks.
+Checked with torch's sync debug mode on a tiny random model (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+
+import pytest
+import torch
+
+from engine.api import SynthesisRequest, TextSegment
+from engine.runner import Runner
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def lines_of(fn) -> set[int]:
+    source, first = inspect.getsourcelines(fn)
+    return set(range(first, first + len(source)))
+
+
+def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
+    from engine.loader import load_qwen3_tts, read_tensors, weight_files
+    from engine.models.codec import Code2Wav
+    from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
+    from tests.reference_builders import build_reference_tts
+
+    checkpoint = build_reference_tts("custom_voice", tmp_path / "tiny")
+    b = load_qwen3_tts(checkpoint, "cuda", torch.float32)
+    st = checkpoint / "speech_tokenizer"
+    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
+    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec.cuda().eval(), Qwen3EngineConfig(
+        max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False))
+    engine._ready = True
+    assert engine.runner.defers_codec
+    for i, text in enumerate(["Hello world. How are you?", "The quick brown fox jumps.", "Good morning"]):
+        stream = engine.open(SynthesisRequest(request_id=f"r{i}", voice="ryan", language="English", max_frames=12))
+        stream.push(TextSegment(text, char_start=0))
+        stream.close_text()
+    allowed = lines_of(Runner._sample) | lines_of(Runner._launch_codec)
+    blocking = []
+    for _ in range(60):
+        if not engine.scheduler.has_work() and not engine.core._text:
+            break
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                outs = engine.core.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        engine.core._emit(outs)
+        blocking += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+                     and not (w.filename.endswith("engine/runner.py") and w.lineno in allowed)]
+    assert not engine.scheduler.has_work(), "the requests should have finished"
+    assert not blocking, sorted(set(blocking))
