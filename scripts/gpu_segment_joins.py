@@ -320,7 +320,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "figure": "segment joins: chunk lateness against real-time playback from the first chunk",
         "model_shapes": args.size if args.model is None else str(args.model.name),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-        "command": " ".join(["python", "scripts/gpu_segment_joins.py", *args.argv]),
+        "command": " ".join(["python", "scripts/gpu_segment_joins.py", *(Path(a).name if a.startswith("/") else a for a in args.argv)]),
         "texts": len(texts), "segments_per_text": sum(len(t.segments) for t in texts) / len(texts),
         "max_frames": args.max_frames, "seconds_per_level": args.seconds, "level_timeout_s": args.level_timeout,
         "engine": {"max_streams": engine.econfig.max_streams, "max_batch": engine.econfig.max_batch,
