@@ -9,21 +9,28 @@ i). Times are then made non-decreasing the way the reference does it.
 Batching: every input of one ``align`` call runs in one encoder pass and one decoder pass.
 Feature extraction pads the batch's audio to its longest item before the STFT, as the reference's
 feature extractor does, so an item's times can depend (rarely, at the 80 ms level) on its batch.
+The host plans where every chunk, token and slot lies, sends those indices in one copy and reads
+the slot classes back in one; nothing in between waits on the device, and the text-side work runs
+while it computes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aligner.api import AlignedWord, AlignInput
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
@@ -35,7 +42,11 @@ SAMPLE_RATE = 16_000
 N_FFT = 400
 HOP = 160
 N_MELS = 128
+# cuDNN attention is left out: it builds a graph for every new shape (hundreds of ms on first use),
+# and nearly every batch of clips and texts has a new shape.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KOREAN_DICTIONARY_FILE = "korean_dict_jieba.dict"
+IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
@@ -177,25 +188,25 @@ class LogMel:
         ``ceil(len / 160)`` except where that reaches past the padded total, as the reference does.
         """
         longest = max(len(w) for w in waveforms)
-        padded = np.zeros((len(waveforms), longest), dtype=np.float32)
+        padded = torch.zeros((len(waveforms), longest), pin_memory=self.device.type == "cuda")
         for row, wave in enumerate(waveforms):
-            padded[row, : len(wave)] = wave
-        signal = torch.from_numpy(padded).to(self.device)
+            padded[row, : len(wave)] = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
+        signal = padded.to(self.device, non_blocking=True)
         spectrum = torch.stft(signal, N_FFT, HOP, window=self.window, return_complex=True)
         power = spectrum[..., :-1].abs() ** 2
         log_spec = torch.clamp(self.filters.T @ power, min=1e-10).log10()
         peak = log_spec.amax(dim=(1, 2), keepdim=True)
         log_spec = (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
-        frames = log_spec.shape[-1]
-        lengths = [min(math.ceil(len(w) / HOP), frames) for w in waveforms]
-        return log_spec, lengths
+        frames = longest // HOP
+        return log_spec, [min(math.ceil(len(w) / HOP), frames) for w in waveforms]
 
 
-def encoder_output_length(frames: int) -> int:
+def encoder_output_length(frames: IntOrArray) -> IntOrArray:
     """Audio embeddings for ``frames`` mel frames: 13 per full 100-frame chunk plus the tail's."""
     tail = frames % 100
     after_conv = (tail - 1) // 2 + 1
-    return ((after_conv - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
+    tokens: IntOrArray = ((after_conv - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
+    return tokens
 
 
 def _conv_length(frames: int) -> int:
@@ -249,12 +260,17 @@ class AudioEncoder(nn.Module):
     ``windowed=False`` attends over the whole clip instead: what the reference's transformers code
     does under its sdpa/eager attention (it honours the windows only with FlashAttention-2, as vLLM
     does). The two agree for clips up to 8 s.
+
+    ``steady_shapes=True`` pads every chunk to full width and the chunk count to a bucket, so the
+    convolutions meet few distinct shapes (on CUDA each new one costs cuDNN a plan); the padding
+    never reaches a kept token.
     """
 
     def __init__(self, cfg: AudioEncoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.windowed = True
+        self.steady_shapes = False
         ch = cfg.conv_channels
         self.conv2d1 = nn.Conv2d(1, ch, 3, 2, padding=1)
         self.conv2d2 = nn.Conv2d(ch, ch, 3, 2, padding=1)
@@ -272,68 +288,131 @@ class AudioEncoder(nn.Module):
             self.positions = _sinusoids(self.cfg.max_source_positions, self.cfg.d_model).to(device)
         return self.positions
 
-    def _embed_chunks(self, chunks: torch.Tensor, lengths: list[int], solo: list[bool]) -> torch.Tensor:
+    def _embed_chunks(
+        self, chunks: torch.Tensor, lengths: torch.Tensor, solo: torch.Tensor, any_solo: bool
+    ) -> torch.Tensor:
         """Conv front end over (chunks, mel, frames). A chunk that is its item's only one is
         computed as if unpadded: activations past its length are zeroed after every conv."""
         x = chunks.unsqueeze(1)
-        device = x.device
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
             x = F.gelu(conv(x))
-            lengths = [_conv_length(n) for n in lengths]
-            if any(solo):
-                keep = (
-                    torch.arange(x.shape[-1], device=device)[None, :]
-                    < torch.tensor(lengths, device=device)[:, None]
-                )
-                keep |= ~torch.tensor(solo, device=device)[:, None]
+            lengths = (lengths - 1) // 2 + 1
+            if any_solo:
+                keep = torch.arange(x.shape[-1], device=x.device)[None, :] < lengths[:, None]
+                keep |= ~solo[:, None]
                 x = x * keep[:, None, None, :].to(x.dtype)
         count, channels, freq, frames = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(count, frames, channels * freq))
-        return x + self._position_table(device)[:frames].to(x.dtype)
+        return x + self._position_table(x.device)[:frames].to(x.dtype)
 
     def forward(self, features: torch.Tensor, frame_counts: list[int]) -> list[torch.Tensor]:
         """features (batch, mel, frames) -> one (tokens, output_dim) tensor per item."""
-        chunk_frames = self.cfg.n_window * 2
-        pieces: list[torch.Tensor] = []
-        lengths: list[int] = []
-        solo: list[bool] = []
-        owners: list[int] = []
-        for item, frames in enumerate(frame_counts):
-            starts = list(range(0, frames, chunk_frames))
-            for start in starts:
-                pieces.append(features[item, :, start : min(start + chunk_frames, frames)].T)
-                lengths.append(min(chunk_frames, frames - start))
-                solo.append(len(starts) == 1)
-                owners.append(item)
-        padded = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2)
-        embedded = self._embed_chunks(padded, lengths, solo)
+        tokens, counts = self.encode(features, frame_counts)
+        return list(torch.split(tokens, counts))
 
-        # Tokens of each item, then attention windows of n_window_infer frames' worth of tokens.
-        per_item: list[list[torch.Tensor]] = [[] for _ in frame_counts]
-        widest: list[int] = [0] * len(frame_counts)
-        for row, (item, length) in enumerate(zip(owners, lengths, strict=True)):
-            count = encoder_output_length(length)
-            per_item[item].append(embedded[row, :count])
-            widest[item] = max(widest[item], count)
-        windows: list[torch.Tensor] = []
-        window_owner: list[int] = []
-        ratio = self.cfg.n_window_infer // chunk_frames
-        for item, parts in enumerate(per_item):
-            tokens = torch.cat(parts)
-            for window in tokens.split(widest[item] * ratio if self.windowed else len(tokens)):
-                windows.append(window)
-                window_owner.append(item)
-        sizes = torch.tensor([len(w) for w in windows], device=features.device)
-        x = nn.utils.rnn.pad_sequence(windows, batch_first=True)
-        valid = torch.arange(x.shape[1], device=x.device)[None, :] < sizes[:, None]
+    def encode(self, features: torch.Tensor, frame_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """features (batch, mel, frames) -> every item's tokens back to back, and their counts.
+
+        The layout (chunks, tokens, windows) is planned on the host and reaches the device in one
+        copy; gathers and scatters then stand in for per-chunk slicing, so nothing waits on the GPU.
+        """
+        layout = EncoderLayout.plan(
+            frame_counts, self.cfg.n_window * 2, self.cfg.n_window_infer // (self.cfg.n_window * 2),
+            self.windowed, self.steady_shapes,
+        )
+        item, start, length, solo, source, target, sizes = upload(
+            features.device, layout.chunk_item, layout.chunk_start, layout.chunk_length, layout.chunk_solo,
+            layout.token_source, layout.token_target, layout.window_sizes,
+        )
+        offsets = torch.arange(layout.width, device=features.device)
+        frames = (start[:, None] + offsets).clamp(max=features.shape[-1] - 1)
+        chunks = features[item[:, None], :, frames]  # (chunks, width, mel)
+        chunks = torch.where((offsets < length[:, None])[..., None], chunks, 0).transpose(1, 2)
+        embedded = self._embed_chunks(chunks, length, solo.bool(), bool(layout.chunk_solo.any()))
+
+        dim = embedded.shape[-1]
+        windows = embedded.new_zeros(len(layout.window_sizes) * layout.window_length, dim)
+        windows.index_copy_(0, target, embedded.reshape(-1, dim)[source])
+        x = windows.view(len(layout.window_sizes), layout.window_length, dim)
+        valid = torch.arange(layout.window_length, device=x.device)[None, :] < sizes[:, None]
         key_mask = valid[:, None, None, :]
         for layer in self.layers:
             x = layer(x, key_mask)
         x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))
-        outputs: list[list[torch.Tensor]] = [[] for _ in frame_counts]
-        for row, item in enumerate(window_owner):
-            outputs[item].append(x[row, : int(sizes[row])])
-        return [torch.cat(parts) for parts in outputs]
+        return x.reshape(-1, x.shape[-1])[target], layout.item_tokens
+
+
+@dataclass(frozen=True)
+class EncoderLayout:
+    """Where a batch's mel chunks, their tokens and the attention windows lie (host arrays).
+
+    Items are cut into chunks of ``chunk_frames``; each chunk gives ``encoder_output_length`` tokens;
+    an item's tokens, back to back, are cut into windows of ``ratio`` times its widest chunk's
+    tokens (or one window per item). Windows are padded to the longest.
+    """
+
+    width: int  # frames of the longest chunk: chunks are padded to it
+    chunk_item: np.ndarray
+    chunk_start: np.ndarray
+    chunk_length: np.ndarray
+    chunk_solo: np.ndarray  # the chunk is its item's only one
+    token_source: np.ndarray  # flat (chunk, token) index of every kept token, in item order
+    token_target: np.ndarray  # flat (window, position) index of the same token
+    window_sizes: np.ndarray
+    window_length: int
+    item_tokens: list[int]
+
+    @classmethod
+    def plan(
+        cls, frame_counts: Sequence[int], chunk_frames: int, ratio: int, windowed: bool, steady_shapes: bool = False
+    ) -> EncoderLayout:
+        per_item = [-(-frames // chunk_frames) for frames in frame_counts]
+        chunk_item = np.repeat(np.arange(len(frame_counts)), per_item)
+        first_chunk = np.cumsum([0, *per_item[:-1]])
+        chunk_index = np.arange(len(chunk_item)) - first_chunk[chunk_item]
+        chunk_start = chunk_index * chunk_frames
+        chunk_length = np.minimum(chunk_frames, np.asarray(frame_counts)[chunk_item] - chunk_start)
+        chunk_solo = (np.asarray(per_item) == 1)[chunk_item]
+        width = chunk_frames if steady_shapes else int(chunk_length.max())
+        slots = _conv_length(_conv_length(_conv_length(width)))
+        chunk_tokens = encoder_output_length(chunk_length)
+        first_token = np.cumsum(chunk_tokens) - chunk_tokens
+        token_chunk = np.repeat(np.arange(len(chunk_item)), chunk_tokens)
+        token_source = token_chunk * slots + np.arange(len(token_chunk)) - first_token[token_chunk]
+
+        item_tokens = np.bincount(chunk_item, weights=chunk_tokens, minlength=len(frame_counts)).astype(np.int64)
+        widest = np.zeros(len(frame_counts), np.int64)
+        np.maximum.at(widest, chunk_item, chunk_tokens)
+        span = widest * ratio if windowed else item_tokens
+        item_windows = -(-item_tokens // span)
+        first_window = np.cumsum(item_windows) - item_windows
+        token_item = chunk_item[token_chunk]
+        position = np.arange(len(token_chunk)) - np.repeat(np.cumsum(item_tokens) - item_tokens, item_tokens)
+        token_window = first_window[token_item] + position // span[token_item]
+        window_sizes = np.bincount(token_window, minlength=int(item_windows.sum()))
+        window_length = int(window_sizes.max())
+        token_target = token_window * window_length + position % span[token_item]
+        if steady_shapes:  # empty chunks after the real ones, masked like a lone short chunk
+            extra = chunk_bucket(len(chunk_item)) - len(chunk_item)
+            chunk_item, chunk_start, chunk_length = (np.pad(a, (0, extra)) for a in (chunk_item, chunk_start, chunk_length))
+            chunk_solo = np.pad(chunk_solo, (0, extra), constant_values=True)
+        return cls(
+            width, chunk_item, chunk_start, chunk_length, chunk_solo, token_source, token_target,
+            window_sizes, window_length, item_tokens.tolist(),
+        )
+
+
+def chunk_bucket(count: int) -> int:
+    """Chunk counts the steady-shape encoder runs at: powers of two up to 256, then multiples of 256."""
+    return 1 << max(0, count - 1).bit_length() if count <= 256 else -(-count // 256) * 256
+
+
+def upload(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
+    """Host integer arrays onto ``device`` as int64 in one copy (pinned and asynchronous on CUDA)."""
+    packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return list(torch.split(packed, [np.size(a) for a in arrays]))
 
 
 # --------------------------------------------------------------------------- text decoder
@@ -457,15 +536,32 @@ class ForcedAlignerModel(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden, cfg.classes, bias=False)
 
     def slot_classes(
-        self, ids: torch.Tensor, attention: torch.Tensor, features: torch.Tensor, frame_counts: list[int]
+        self,
+        ids: torch.Tensor,
+        attention: torch.Tensor,
+        features: torch.Tensor,
+        frame_counts: list[int],
+        audio_at: torch.Tensor | None = None,
+        slots_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Argmax class of every ``<timestamp>`` slot, row-major over the batch."""
-        audio = self.audio_tower(features.to(self.lm_head.weight.dtype), frame_counts)
-        embeds = self.model.embed_tokens(ids)
-        audio_slots = ids == self.cfg.audio_token_id
-        embeds = embeds.masked_scatter(audio_slots[..., None], torch.cat(audio).to(embeds.dtype))
-        hidden = self.model(embeds, attention)
-        slots = hidden[ids == self.cfg.timestamp_token_id]
+        """Argmax class of every ``<timestamp>`` slot, row-major over the batch.
+
+        ``audio_at`` / ``slots_at``: flat positions of the audio and timestamp tokens in ``ids`` when
+        the caller knows them (so finding them does not wait on the device)."""
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            audio, _ = self.audio_tower.encode(features.to(self.lm_head.weight.dtype), frame_counts)
+            embeds = self.model.embed_tokens(ids)
+            hidden_size = embeds.shape[-1]
+            if audio_at is None:
+                audio_slots = ids == self.cfg.audio_token_id
+                embeds = embeds.masked_scatter(audio_slots[..., None], audio.to(embeds.dtype))
+            else:
+                embeds = embeds.view(-1, hidden_size).index_copy(0, audio_at, audio.to(embeds.dtype)).view_as(embeds)
+            hidden = self.model(embeds, attention)
+        if slots_at is None:
+            slots = hidden[ids == self.cfg.timestamp_token_id]
+        else:
+            slots = hidden.reshape(-1, hidden_size)[slots_at]
         return self.lm_head(slots).argmax(-1)
 
 
@@ -479,24 +575,48 @@ def repair_monotonic(values: Sequence[float]) -> list[int]:
     most two other values snap to the nearer trusted neighbour (left on a tie), longer runs are
     interpolated linearly between their trusted neighbours. Results are truncated to integers.
     """
-    data = np.asarray(values, dtype=np.float64)
-    count = len(data)
-    if count == 0:
-        return []
-    best = np.ones(count, dtype=np.int64)
-    parent = np.full(count, -1, dtype=np.int64)
-    for i in range(1, count):
-        candidates = np.where(data[:i] <= data[i], best[:i], 0)
-        j = int(np.argmax(candidates))
-        if candidates[j] + 1 > 1:
-            best[i], parent[i] = candidates[j] + 1, j
-    trusted = np.zeros(count, dtype=bool)
-    node = int(np.argmax(best))
-    while node != -1:
-        trusted[node] = True
-        node = int(parent[node])
+    return repair_monotonic_rows([values])[0]
 
-    result = data.tolist()
+
+def repair_monotonic_rows(rows: Sequence[Sequence[float]]) -> list[list[int]]:
+    """``repair_monotonic`` of every row; the subsequence search runs over all rows at once."""
+    count = max((len(row) for row in rows), default=0)
+    data = np.zeros((len(rows), count), dtype=np.float64)
+    for index, row in enumerate(rows):
+        data[index, : len(row)] = row
+    # best[r, i]: length of the longest non-decreasing run ending at i; parent: the element before.
+    # Padding sits after each row's values, so it never feeds a real element.
+    best = np.ones_like(data, dtype=np.int64)
+    parent = np.full_like(best, -1)
+    every = np.arange(len(rows))
+    for i in range(1, count):
+        candidates = np.where(data[:, :i] <= data[:, i : i + 1], best[:, :i], 0)
+        j = candidates.argmax(axis=1)
+        top = candidates[every, j]
+        grows = top + 1 > 1
+        best[grows, i] = top[grows] + 1
+        parent[grows, i] = j[grows]
+    repaired: list[list[int]] = []
+    for index, row in enumerate(rows):
+        size = len(row)
+        if size == 0:
+            repaired.append([])
+            continue
+        values = data[index, :size]
+        if bool(np.all(values[1:] >= values[:-1])):
+            repaired.append([int(value) for value in values.tolist()])
+            continue
+        trusted = np.zeros(size, dtype=bool)
+        node = int(np.argmax(best[index, :size]))
+        while node != -1:
+            trusted[node] = True
+            node = int(parent[index, node])
+        repaired.append(_fill_untrusted(values.tolist(), trusted.tolist()))
+    return repaired
+
+
+def _fill_untrusted(result: list[Any], trusted: list[bool]) -> list[int]:
+    count = len(result)
     i = 0
     while i < count:
         if trusted[i]:
@@ -542,6 +662,18 @@ def to_model_audio(audio: np.ndarray, sample_rate: int) -> np.ndarray:
             wave = wave / peak
         wave = np.clip(wave, -1.0, 1.0)
     return wave
+
+
+def model_audio(items: Sequence[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+    """``to_model_audio`` of every item; resampling runs on a few threads (soxr frees the GIL)."""
+    if len(items) < 2 or all(rate == SAMPLE_RATE for _, rate in items):
+        return [to_model_audio(audio, rate) for audio, rate in items]
+    return list(_resampling_pool().map(lambda item: to_model_audio(*item), items))
+
+
+@functools.cache
+def _resampling_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="resample")
 
 
 # --------------------------------------------------------------------------- checkpoint
@@ -631,6 +763,7 @@ class Qwen3ForcedAligner:
         self.splitter = splitter or UnitSplitter()
         self.device = model.lm_head.weight.device
         self.mel = LogMel(self.device)
+        model.audio_tower.steady_shapes = self.device.type == "cuda"
 
     @classmethod
     def from_directory(
@@ -657,46 +790,88 @@ class Qwen3ForcedAligner:
     def max_audio_s(self) -> float:
         return self.cfg.classes * self.cfg.slot_ms / 1000.0
 
+    @torch.inference_mode()
+    def warm_up(self, max_batch: int = 32, max_chunks: int = 1024) -> None:
+        """Meet the kernels' first-use costs at start-up rather than in a caller's first batches:
+        batches of 1, 2, 4 … ``max_batch`` short clips (at 16 kHz and at a TTS engine's 24 kHz, so
+        resampling is ready too), then with steady shapes the convolutions at every chunk bucket."""
+        size = 1
+        while size <= max_batch:
+            rates = [(SAMPLE_RATE, 24_000)[i % 2] for i in range(size)]
+            seconds = [1.5 + 0.75 * (i % 3) for i in range(size)]
+            self.align([
+                (np.zeros(int(rate * length), np.float32), rate, "warming up the aligner", "English")
+                for rate, length in zip(rates, seconds, strict=True)
+            ])
+            size *= 2
+        tower = self.model.audio_tower
+        if not tower.steady_shapes:
+            return
+        dtype = self.model.lm_head.weight.dtype
+        count = 1
+        while count <= max_chunks:
+            chunks = torch.zeros((count, self.cfg.audio.num_mel_bins, 2 * self.cfg.audio.n_window),
+                                 device=self.device, dtype=dtype)
+            lengths = torch.zeros(count, dtype=torch.long, device=self.device)
+            tower._embed_chunks(chunks, lengths, lengths == 0, True)
+            count = chunk_bucket(count + 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def prompt_ids(self, words: Sequence[str], audio_tokens: int) -> list[int]:
+        return self.prompt_rows([words], [audio_tokens])[0]
+
+    def prompt_rows(self, words: Sequence[Sequence[str]], audio_tokens: Sequence[int]) -> list[list[int]]:
+        """Every item's prompt ids; the whole batch's units go through the tokenizer in one call."""
         cfg = self.cfg
-        ids = [cfg.audio_start_token_id, *([cfg.audio_token_id] * audio_tokens), cfg.audio_end_token_id]
-        encoded = self.tokenizer.encode_batch(list(words), add_special_tokens=False) if words else []
-        for piece in encoded:
-            ids += piece.ids
-            ids += [cfg.timestamp_token_id, cfg.timestamp_token_id]
-        if not words:
-            ids += [cfg.timestamp_token_id, cfg.timestamp_token_id]
-        return ids
+        units = [unit for item in words for unit in item]
+        pieces = iter(self.tokenizer.encode_batch(units, add_special_tokens=False) if units else [])
+        slot_pair = [cfg.timestamp_token_id, cfg.timestamp_token_id]
+        rows: list[list[int]] = []
+        for item, count in zip(words, audio_tokens, strict=True):
+            row = [cfg.audio_start_token_id, *([cfg.audio_token_id] * count), cfg.audio_end_token_id]
+            for _ in item:
+                row += next(pieces).ids
+                row += slot_pair
+            if not item:
+                row += slot_pair
+            rows.append(row)
+        return rows
+
+    def _launch(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> tuple[torch.Tensor, list[int]]:
+        """Queue both model passes; return the slot classes (still on the device) and slots per item."""
+        features, frame_counts = self.mel(waves)
+        rows = self.prompt_rows(words, [int(encoder_output_length(frames)) for frames in frame_counts])
+        width = max(len(row) for row in rows)
+        ids = np.zeros((len(rows), width), dtype=np.int64)
+        attention = np.zeros_like(ids)
+        for index, row in enumerate(rows):  # left padding, as the reference
+            ids[index, width - len(row) :] = row
+            attention[index, width - len(row) :] = 1
+        is_slot = ids == self.cfg.timestamp_token_id
+        ids_on, attention_on, audio_at, slots_at = upload(
+            self.device, ids, attention, np.flatnonzero(ids == self.cfg.audio_token_id), np.flatnonzero(is_slot)
+        )
+        classes = self.model.slot_classes(
+            ids_on.view(ids.shape), attention_on.view(ids.shape), features, frame_counts, audio_at, slots_at
+        )
+        return classes, is_slot.sum(axis=1).tolist()
+
+    def _slot_times(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
+        flat = (classes.cpu().numpy() * self.cfg.slot_ms).tolist()  # the batch's one wait on the device
+        ends = np.cumsum(slots).tolist()
+        return repair_monotonic_rows([flat[end - count : end] for count, end in zip(slots, ends, strict=True)])
 
     @torch.inference_mode()
     def slot_times_ms(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> list[list[int]]:
         """Repaired slot times in ms for 16 kHz waves and their unit lists (two slots per unit)."""
-        features, frame_counts = self.mel(waves)
-        rows = [
-            self.prompt_ids(units, encoder_output_length(frames))
-            for units, frames in zip(words, frame_counts, strict=True)
-        ]
-        width = max(len(row) for row in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for index, row in enumerate(rows):  # left padding, as the reference
-            ids[index, width - len(row) :] = torch.tensor(row)
-            attention[index, width - len(row) :] = 1
-        classes = self.model.slot_classes(
-            ids.to(self.device), attention.to(self.device), features, frame_counts
-        ).tolist()
-        times: list[list[int]] = []
-        offset = 0
-        for row in rows:
-            slots = sum(1 for token in row if token == self.cfg.timestamp_token_id)
-            times.append(repair_monotonic([c * self.cfg.slot_ms for c in classes[offset : offset + slots]]))
-            offset += slots
-        return times
+        return self._slot_times(*self._launch(waves, words))
 
+    @torch.inference_mode()
     def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
         if not batch:
             return []
-        waves = [to_model_audio(audio, rate) for audio, rate, _, _ in batch]
+        waves = model_audio([(audio, rate) for audio, rate, _, _ in batch])
         for wave in waves:
             if len(wave) / SAMPLE_RATE > self.max_audio_s:
                 raise ValueError(
@@ -705,20 +880,23 @@ class Qwen3ForcedAligner:
             if len(wave) < HOP:
                 raise ValueError("aligner input is shorter than 10 ms")
         words = [self.splitter.words(text, language) for _, _, text, language in batch]
-        times = self.slot_times_ms(waves, words)
-        results: list[list[AlignedWord]] = []
-        for (_, _, text, _), units, slot_ms in zip(batch, words, times, strict=True):
-            spans = display_spans(text, locate_units(text, units))
-            results.append(
-                [
-                    AlignedWord(
-                        text=text[start:end],
-                        start_s=round(slot_ms[2 * i] / 1000.0, 3),
-                        end_s=round(slot_ms[2 * i + 1] / 1000.0, 3),
-                        char_start=start,
-                        char_end=end,
-                    )
-                    for i, (start, end) in enumerate(spans)
-                ]
-            )
-        return results
+        launched = self._launch(waves, words)
+        # While the device works: where every unit lies in the client's text.
+        spans = [
+            display_spans(text, locate_units(text, units))
+            for (_, _, text, _), units in zip(batch, words, strict=True)
+        ]
+        times = self._slot_times(*launched)
+        return [
+            [
+                AlignedWord(
+                    text=text[start:end],
+                    start_s=round(slot_ms[2 * i] / 1000.0, 3),
+                    end_s=round(slot_ms[2 * i + 1] / 1000.0, 3),
+                    char_start=start,
+                    char_end=end,
+                )
+                for i, (start, end) in enumerate(item_spans)
+            ]
+            for (_, _, text, _), item_spans, slot_ms in zip(batch, spans, times, strict=True)
+        ]

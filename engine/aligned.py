@@ -3,7 +3,10 @@
 The aligner runs in its own thread (`AlignerWorker`). Each utterance's audio reaches it segment by
 segment as the wrapped engine produces it (see engine.alignment_track); the worker sleeps on a
 condition until jobs are queued, then takes every queued job (sync-mode jobs first, up to
-`max_batch`) as one batch, so concurrent utterances share aligner passes without any polling.
+`max_batch`) as one batch, so concurrent utterances share aligner passes without any polling. An idle
+worker starts on a job the moment it is queued (no batching window); jobs that arrive during a call
+form the next batch. An aligner with a `warm_up(max_batch)` method has it run once at `start()`, off
+the event loop, so the first requests do not pay its kernels' first-use costs.
 
 Per stream the mode is "async" by default (audio passes at once, words follow when known), "sync"
 (audio held until its words are known; the added time to first audio is measured and reported in
@@ -78,6 +81,11 @@ class AlignerWorker:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def warm_up(self) -> None:
+        warm_up = getattr(self.aligner, "warm_up", None)
+        if callable(warm_up):
+            warm_up(self.max_batch)
 
     def submit(self, job: AlignJob, done: JobDone) -> None:
         with self._cond:
@@ -263,6 +271,7 @@ class AlignedEngine:
         if self._worker is None:
             assert self._aligner_factory is not None
             self._worker = AlignerWorker(await asyncio.to_thread(self._aligner_factory), self.max_batch)
+        await asyncio.to_thread(self._worker.warm_up)
         await self.inner.start()
         self._worker.start()
 

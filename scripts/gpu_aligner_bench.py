@@ -2,7 +2,8 @@
 
 Random weights at the real sizes (24-layer AuT encoder, 28-layer Qwen3 decoder, 5000-class head),
 bf16, batches of 1, 8 and 32 clips of 24 kHz noise with ~2.6 words per second of text. Times cover
-the whole ``align`` call: resampling, log-mel, splitting, both model passes and post-processing.
+the whole ``align`` call: resampling, log-mel, splitting, both model passes and post-processing. The
+aligner is warmed up as a server warms it, and each batch size once more before it is timed.
 
     python scripts/gpu_aligner_bench.py [--seconds 10] [--batches 1,8,32] [--iters 5]
 """
@@ -72,6 +73,7 @@ def main() -> None:
     device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     aligner = build_aligner(device, dtype)
+    aligner.warm_up()
     params = sum(p.numel() for p in aligner.model.parameters()) / 1e6
     print(
         f"{torch.cuda.get_device_name()} | {params:.0f} M params | {args.dtype} | clips of {args.seconds:g} s"

@@ -9,7 +9,8 @@ mode the first audio leaves the stage only once the first segment is generated *
 
 For `--concurrency` utterances started together it prints, per level, the added TTFA (p50/p95,
 as the stage reports it in load().extra), the part of it after the segment was complete (queue +
-align: what the aligner itself costs), and the aligner's batch sizes. Random bf16 weights.
+align: what the aligner itself costs), and the aligner's batch sizes. Random bf16 weights. The stage
+warms the aligner up when it starts (`Qwen3ForcedAligner.warm_up`), as a serving process does.
 
     python scripts/gpu_aligner_sync_ttfa.py [--concurrency 1,8,32] [--first-s 2] [--speed 10]
 """
@@ -139,8 +140,7 @@ async def one_level(aligner: Aligner, concurrency: int, args: argparse.Namespace
 
 async def main_async(args: argparse.Namespace) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    aligner = build_aligner(torch.device("cuda"), dtype)
-    aligner.align([(np.zeros(RATE, np.float32), RATE, "warm up the kernels.", "English")] * 4)
+    aligner = build_aligner(torch.device("cuda"), dtype)  # the stage warms it up in start(), as a server's does
     print(f"{torch.cuda.get_device_name()} | first segment {args.first_s:g} s of audio made at "
           f"{args.speed:g}x real time ({1000 * args.first_s / args.speed:.0f} ms) | {args.dtype}")
     print(f"{'concurrency':>11} {'add p50':>9} {'add p95':>9} {'align p50 ms':>13} {'align max ms':>13}"
