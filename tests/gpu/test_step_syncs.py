@@ -25,7 +25,7 @@ def lines_of(fn) -> set[int]:
     return set(range(first, first + len(source)))
 
 
-def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
+async def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
     from engine.loader import load_qwen3_tts, read_tensors, weight_files
     from engine.models.codec import Code2Wav
     from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
