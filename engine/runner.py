@@ -1,7 +1,9 @@
 """The GPU owner: turns a StepPlan into sampled frames and audio.
 
 Per step:
-  Code2Wav chunks      after sampling on the same stream (or, with codec_overlap, on their own stream)
+  Code2Wav chunks      after sampling on the same stream (or, with codec_overlap, on their own stream);
+                       on CUDA only first chunks are collected in their step, the others by the next
+                       step, so the host plans that step while the GPU decodes them
   talker decode rows   one CUDA graph per batch bucket (per attention-length bucket without the
                        decode kernel); one-position prompt chunks join these rows
   talker prefill       longer prompt chunks padded into a (rows, positions) bucket's graph
