@@ -186,3 +186,16 @@ def load_reference(path: str | Path) -> Any:
     """The reference wrapper (`Qwen3TTSModel`) loaded from a checkpoint directory, CPU fp32."""
     qwen_tts = import_qwen_tts()
     return qwen_tts.Qwen3TTSModel.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+
+
+def load_ours(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
+    """Our loader's bundle (fp32) and Code2Wav decoder for a checkpoint written by build_reference_tts."""
+    from engine.loader import load_qwen3_tts, read_tensors, weight_files
+    from engine.models.codec import Code2Wav
+
+    path = Path(path)
+    bundle = load_qwen3_tts(path, device, torch.float32)
+    st = path / "speech_tokenizer"
+    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
+    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
+    return bundle, codec.to(device).eval()

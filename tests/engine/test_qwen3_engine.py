@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
 from engine.generate import GenerationRequest, generate_codes
-from engine.loader import load_qwen3_tts, read_tensors, weight_files
-from engine.models.codec import Code2Wav
 from engine.prompts import PromptRequest, build_prompt
 from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
 from engine.request import RequestStatus
@@ -28,12 +24,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundle(checkpoint):
+    from tests.reference_builders import load_ours
+
     torch.manual_seed(0)
-    b = load_qwen3_tts(checkpoint, "cpu", torch.float32)
-    st = checkpoint / "speech_tokenizer"
-    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
-    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
-    return b, codec.eval()
+    return load_ours(checkpoint)
 
 
 def make_engine(bundle, **overrides) -> Qwen3Engine:

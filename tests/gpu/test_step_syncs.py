@@ -6,7 +6,6 @@ Checked with torch's sync debug mode on a tiny random model (skipped without CUD
 from __future__ import annotations
 
 import inspect
-import json
 import warnings
 
 import pytest
@@ -26,17 +25,11 @@ def lines_of(fn) -> set[int]:
 
 
 async def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
-    from engine.loader import load_qwen3_tts, read_tensors, weight_files
-    from engine.models.codec import Code2Wav
     from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
-    from tests.reference_builders import build_reference_tts
+    from tests.reference_builders import build_reference_tts, load_ours
 
-    checkpoint = build_reference_tts("custom_voice", tmp_path / "tiny")
-    b = load_qwen3_tts(checkpoint, "cuda", torch.float32)
-    st = checkpoint / "speech_tokenizer"
-    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
-    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
-    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec.cuda().eval(), Qwen3EngineConfig(
+    b, codec = load_ours(build_reference_tts("custom_voice", tmp_path / "tiny"), "cuda")
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, Qwen3EngineConfig(
         max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False))
     engine._ready = True
     assert engine.runner.defers_codec

@@ -288,21 +288,14 @@ def test_fp8_is_refused_without_fp8_tensor_cores():
 
 @pytest.mark.reference
 async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_generation(tmp_path):
-    import json
 
     from engine.api import SynthesisRequest, TextSegment
     from engine.generate import GenerationRequest, generate_codes
-    from engine.loader import load_qwen3_tts, read_tensors, weight_files
-    from engine.models.codec import Code2Wav
     from engine.prompts import PromptRequest, build_prompt
     from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
-    from tests.reference_builders import build_reference_tts
+    from tests.reference_builders import build_reference_tts, load_ours
 
-    ckpt = build_reference_tts("custom_voice", tmp_path / "cv")
-    b = load_qwen3_tts(ckpt, "cpu", torch.float32)
-    st = ckpt / "speech_tokenizer"
-    codec = Code2Wav(json.loads((st / "config.json").read_text())["decoder_config"])
-    codec.load_state_dict(read_tensors(weight_files(st), "decoder."), strict=True)
+    b, codec = load_ours(build_reference_tts("custom_voice", tmp_path / "cv"))
     fp32_talker = copy.deepcopy(b.talker)
     names = quantize_talker(b.talker, ("talker", "code_predictor"), emulate=True)
     assert names and fp8_memory(b.talker).saved_bytes > 0
