@@ -171,6 +171,10 @@ class Runner:
         self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
+            # Code2Wav's convolutions: cuDNN's default picks ran a 24 kHz step 1.3-1.6x slower on
+            # an H200 than its autotuned picks (scripts/gpu_codec_bench.py); shapes are fixed per
+            # graph bucket, so each is tuned once, while the graphs are captured
+            torch.backends.cudnn.benchmark = True
             sampling_kernel.check(dev)
             fused_norm.check(dev)
             fused_rope.check(dev)

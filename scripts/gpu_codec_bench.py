@@ -6,6 +6,7 @@ Also checks, once per dtype, that streamed decoding equals the offline decode at
 
     python scripts/gpu_codec_bench.py                       # full grid
     python scripts/gpu_codec_bench.py --batches 1,16 --frames 1,25 --dtypes bf16 --json out.json
+    python scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --cudnn-benchmark on,off --profile
 
 Random weights (codebooks redrawn so the audio is not silence): timing does not depend on them.
 """
@@ -66,6 +67,50 @@ def timed(fn: Any, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+def print_kernels(fn: Any, label: str, replays: int = 5) -> None:
+    """The kernels of `replays` calls of fn, by GPU time: where one replay spends its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels = sum(e.count for e in events) / replays
+    total = sum(e.self_device_time_total for e in events) / replays / 1000
+    print(f"profile {label}: {kernels:.0f} kernels per replay, {total:.2f} ms of kernel time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=90))
+
+
+@torch.no_grad()
+def print_kernel_ops(model: Code2Wav, b: int, f: int, top: int = 25) -> None:
+    """Which operators (and input shapes) launch the kernels that take the most time, eagerly."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    slots, codes = torch.arange(b, device="cuda"), random_codes(b, f, seed=5)
+    model.decode_step(slots, codes)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_stack=True) as prof:
+        model.decode_step(slots, codes)
+        torch.cuda.synchronize()
+    by_op: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    for e in prof.events():
+        where = next((fr.split("/")[-1] for fr in (e.stack or []) if "engine/models" in fr), "")
+        for k in e.kernels:
+            key = f"{e.name} {where} {e.input_shapes} -> {k.name[:50]}"
+            by_op[key] += k.duration
+            calls[key] += 1
+    print(f"kernels by launching operator, eager {b} x {f} (us, calls):")
+    for key, us in by_op.most_common(top):
+        print(f"{us:9.0f} {calls[key]:4d}  {key[:220]}")
+
+
 @torch.no_grad()
 def streamed_equals_offline(model: Code2Wav) -> float:
     """Max |streamed - offline| over 2 rows x 200 frames with a growing chunk schedule."""
@@ -83,7 +128,8 @@ def streamed_equals_offline(model: Code2Wav) -> float:
 
 
 @torch.no_grad()
-def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int = 3) -> dict[str, Any]:
+def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int = 3,
+                 profile: bool = False) -> dict[str, Any]:
     slots = torch.arange(b, device="cuda")
     codes = torch.zeros(b, f, 16, dtype=torch.long, device="cuda")
     inputs = [random_codes(b, f, seed=10 + i) for i in range(check_steps)]
@@ -114,6 +160,8 @@ def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int =
         graph.replay()
         diff = max(diff, float((out.float() - ref.float()).abs().max()))
     graph_ms = timed(graph.replay, steps)
+    if profile:
+        print_kernels(graph.replay, f"{b} x {f}")
     del graph, out
     audio_s = b * f * FRAME_S
     return {
@@ -131,34 +179,41 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--snake", default="fused", help="SnakeBeta variants to time: fused, eager or both")
     ap.add_argument("--steps", type=int, default=20, help="timed graph replays per bucket")
+    ap.add_argument("--cudnn-benchmark", default="on", help="cuDNN autotuning: on, off or both (on,off)")
+    ap.add_argument("--kernel-ops", default="", help="BxF: list the operators behind the slowest kernels")
+    ap.add_argument("--profile", action="store_true", help="print each bucket's kernels by GPU time")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     batches = [int(x) for x in args.batches.split(",")]
     frames = [int(x) for x in args.frames.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     results: list[dict[str, Any]] = []
-    for name, snake in [(d, s) for d in args.dtypes.split(",") for s in args.snake.split(",")]:
+    variants = [(d, s, c) for d in args.dtypes.split(",") for s in args.snake.split(",")
+                for c in args.cudnn_benchmark.split(",")]
+    for name, snake, autotune in variants:
         fused_snake.enabled = snake == "fused"
+        torch.backends.cudnn.benchmark = autotune == "on"
         dtype = DTYPES[name]
         model = build(dtype, max(batches) + 1)
         params = sum(p.numel() for p in model.parameters())
-        print(f"\n== {name}, {snake} SnakeBeta: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot")
+        print(f"\n== {name}, {snake} SnakeBeta, cuDNN autotuning {autotune}: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot")
+        if args.kernel_ops:
+            print_kernel_ops(model, *(int(v) for v in args.kernel_ops.split("x")))
         print(f"streamed vs offline (2 x 200 frames, chunks 1,2,4,8,25): max abs diff {streamed_equals_offline(model):.2e}")
         print(f"{'batch':>5} {'frames':>6} {'eager ms':>9} {'graph ms':>9} {'audio-s/s':>10} {'graph==eager':>13}")
         for b in sorted(batches, reverse=True):
             for f in frames:
                 t0 = time.perf_counter()
                 try:
-                    row = bench_bucket(model, b, f, args.steps)
+                    row = bench_bucket(model, b, f, args.steps, profile=args.profile)
                 except torch.cuda.OutOfMemoryError:
                     row = {"batch": b, "frames": f, "error": "out of memory"}
                     torch.cuda.empty_cache()
-                row.update(dtype=name, snake=snake, wall_s=round(time.perf_counter() - t0, 1),
+                row.update(dtype=name, snake=snake, cudnn_benchmark=autotune, wall_s=round(time.perf_counter() - t0, 1),
                            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
                 torch.cuda.reset_peak_memory_stats()
                 torch.cuda.empty_cache()

@@ -5,6 +5,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 2    # end-to-end sweep through the gateway
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 3    # FP8, segment joins, prefix cache, aligner
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 4    # all of it, shortened, in one call
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 5    # two GPUs: the sweeps (1.7B, 0.6B) on one,
+#                                                         tests, prefix cache and FP8 on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -25,7 +27,7 @@ case "${1:-}" in
   2)
     [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
     export CONC="${CONC:-1,64,256,512}" SKIP_REF=1 OUTDIR="$OUTDIR"
-    export SECONDS=15  # seconds measured per concurrency level (read by gpu_bench_e2e.sh at its start)
+    export POINT_SECONDS=15  # seconds measured per concurrency level
     run 560 e2e bash scripts/gpu_bench_e2e.sh
     ;;
   3)
@@ -39,12 +41,25 @@ case "${1:-}" in
   4)  # a short session's single call: GPU tests, a three-point sweep, prefix cache, aligner, FP8
     run 45 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
     [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
-    (export CONC="${CONC:-1,256,384}" SKIP_REF=1 OUTDIR="$OUTDIR" SECONDS=12; run 230 e2e bash scripts/gpu_bench_e2e.sh)
+    (export CONC="${CONC:-1,256,384}" SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS=12; run 230 e2e bash scripts/gpu_bench_e2e.sh)
     run 100 prefix-cache $PY scripts/gpu_prefix_cache.py --checkpoint "$CKPT"
     run 40 aligner $PY scripts/gpu_aligner_bench.py --batches 1,8,32,64
     run 35 aligner-sync $PY scripts/gpu_aligner_sync_ttfa.py
     run 130 fp8 $PY scripts/gpu_fp8_bench.py --out "$OUTDIR/fp8.json" --variants talker --frames 100 --rows 4 \
       --engine-batches 256 --engine-variants talker
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4"; exit 2 ;;
+  5)  # two GPUs at once: the 1.7B sweep on GPU 0; tests, Code2Wav, prefix cache and the 0.6B sweep on GPU 1
+    [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
+    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
+    export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 300 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 70 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     run 60 codec $PY scripts/gpu_codec_bench.py --batches 64 --frames 1,4,25 --dtypes bf16 --steps 10 \
+       --json "$OUTDIR/codec.json"
+     run 150 prefix-cache $PY scripts/gpu_prefix_cache.py --checkpoint "$CKPT"
+     SIZE=0.6B PORT=8766 CONC="${CONC_SMALL:-1,256,512}" run 220 e2e-0.6b bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5"; exit 2 ;;
 esac

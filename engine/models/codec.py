@@ -97,10 +97,14 @@ class CausalConv(_Streamable):
         self.history = (kernel - 1) * dilation
         self.channels = c_in
 
-    def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, slots: Tensor | None = None, with_bias: bool = True) -> Tensor:
+        """with_bias=False: the caller adds `conv.bias` itself, fused into its next operation."""
         if self.history:
             x = F.pad(x, (self.history, 0)) if slots is None else self._with_history(x, slots)
-        return self.conv(x)
+        if with_bias:
+            return self.conv(x)
+        conv = self.conv
+        return F.conv1d(x, conv.weight, None, dilation=conv.dilation, groups=conv.groups)
 
 
 class CausalTransConv(_Streamable):
@@ -118,7 +122,8 @@ class CausalTransConv(_Streamable):
         if slots is None or not self.history:
             return self.conv(x)[..., :n_new]
         start = self.history * self.stride
-        return self.conv(self._with_history(x, slots))[..., start : start + n_new]
+        # contiguous once: the next unit's activation and its residual both read it
+        return self.conv(self._with_history(x, slots))[..., start : start + n_new].contiguous()
 
 
 class SnakeBeta(nn.Module):
@@ -129,11 +134,14 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """bias: the previous conv's, added to x here (one pass over the tensor instead of two)."""
         alpha = self.alpha.exp()
         inv_beta = 1.0 / (self.beta.exp() + 1e-9)
         if fused_snake.available(x):
-            return fused_snake.snake(x, alpha, inv_beta)
+            return fused_snake.snake(x, alpha, inv_beta, bias)
+        if bias is not None:
+            x = x + bias[:, None]
         return torch.addcmul(x, inv_beta[None, :, None], torch.sin(x * alpha[None, :, None]).square())
 
 
@@ -162,8 +170,12 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
-        h = self.conv1(self.act1(x), slots)
-        return x + self.conv2(self.act2(h))
+        # the convs' biases ride in the ops after them: cuDNN adds a bias in a pass of its own
+        h = self.act2(self.conv1(self.act1(x), slots, with_bias=False), bias=self.conv1.conv.bias)
+        y = self.conv2(h, with_bias=False)
+        if fused_snake.available(y):
+            return fused_snake.residual(x, y, self.conv2.conv.bias)
+        return x + (y + self.conv2.conv.bias[:, None])
 
 
 class DecoderBlock(nn.Module):

@@ -25,3 +25,22 @@ def test_fused_equals_eager(dtype, tol):
     assert not fused_snake.available(x.double())
     got = act.to(dtype)(x.to(dtype)).float()
     torch.testing.assert_close(got, expected, atol=tol * 3, rtol=tol)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_bias_folded_into_the_activation_and_the_residual(dtype, tol):
+    """A residual unit's conv biases ride in the fused kernels: same values as adding them eagerly."""
+    torch.manual_seed(1)
+    act = SnakeBeta(96).cuda()
+    with torch.no_grad():
+        act.alpha.normal_(0, 0.5)
+        act.beta.normal_(0, 0.5)
+    x, y = torch.randn(3, 96, 2001, device="cuda") * 3, torch.randn(3, 96, 2001, device="cuda")
+    bias = torch.randn(96, device="cuda")
+    expected = act(x.double(), bias=bias.double()).float()
+    got = act.to(dtype)(x.to(dtype), bias=bias.to(dtype)).float()
+    torch.testing.assert_close(got, expected, atol=tol * 3, rtol=tol)
+    wide = torch.randn(3, 96, 2600, device="cuda")[..., 300:2301]  # a sliced (non-contiguous) input
+    for first in (x, wide):
+        got = fused_snake.residual(first.to(dtype), y.to(dtype), bias.to(dtype)).float()
+        torch.testing.assert_close(got, (first + (y + bias[:, None])).float(), atol=tol * 3, rtol=tol)

@@ -5,6 +5,7 @@ Checked with torch's sync debug mode on a tiny random model (skipped without CUD
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import warnings
 
@@ -24,7 +25,12 @@ def lines_of(fn) -> set[int]:
     return set(range(first, first + len(source)))
 
 
-async def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
+def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
+    # a plain event loop: the GPU machine's pytest has no asyncio plugin
+    asyncio.run(_steps_block_only_to_read(tmp_path))
+
+
+async def _steps_block_only_to_read(tmp_path):
     from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
     from tests.reference_builders import build_reference_tts, load_ours
 
