@@ -2,13 +2,16 @@
 
 The engine's float32 audio at its own rate goes through one stateful soxr stream per utterance
 (so packet and chunk edges never click), is cut into `packet_ms` packets on the utterance's output
-sample timeline, and encoded: pcm_s16le, pcm_f32le, or G.711 mulaw / alaw (8 kHz only).
+sample timeline, and encoded: pcm_s16le, pcm_f32le, or G.711 mulaw / alaw (8 kHz only). Whole
+packets are encoded lazily, all those of a thread together (one numpy pass per encoding) when the
+first of them is read: on a gateway with many streams the packets of one event-loop pass share it.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Final
 
@@ -173,25 +176,54 @@ def decode_payload(payload: bytes, encoding: Encoding) -> Audio:
 
 
 class Packet:
-    """One wire packet. Its frame (the 12-byte header, then the payload) is built once, when the
-    packet is made; the header fields are kept as plain attributes for the send path."""
+    """One wire packet: the header fields as plain attributes for the send path, and its frame (the
+    12-byte header, then the payload), built once. A packet made by `deferred` gets its payload
+    encoded together with every other deferred packet of its thread when any of them is first read
+    (`_EncodeBatch`), so the packets that all streams make in one event-loop pass cost one numpy
+    pass instead of one each."""
 
-    __slots__ = ("stream", "seq", "sample_offset", "flags", "samples", "frame")
+    __slots__ = ("stream", "seq", "sample_offset", "flags", "samples", "_frame", "_head", "_audio", "_encoding")
+    _frame: bytes | None  # None until a deferred packet is encoded
+    _head: bytes  # a deferred packet's header, until then
+    _audio: Audio  # a deferred packet's samples, until then
+    _encoding: Encoding
 
     def __init__(self, header: PacketHeader, payload: bytes, samples: int) -> None:
         self.stream, self.seq, self.sample_offset, self.flags = (
             header.stream, header.seq, header.sample_offset, header.flags
         )
         self.samples = samples  # samples at the output rate in the payload
-        self.frame = header.pack() + payload
+        self._frame = header.pack() + payload
 
     @classmethod
     def of_frame(cls, stream: int, seq: int, sample_offset: int, flags: int, samples: int, frame: bytes) -> Packet:
-        """A packet around a frame already built (the packetiser's fast path)."""
+        """A packet around a frame already built."""
         packet = cls.__new__(cls)
         packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, sample_offset, flags
-        packet.samples, packet.frame = samples, frame
+        packet.samples, packet._frame = samples, frame
         return packet
+
+    @classmethod
+    def deferred(cls, stream: int, seq: int, sample_offset: int, head: bytes, audio: Audio, encoding: Encoding) -> Packet:
+        """A packet (not the last) whose payload is encoded from `audio` when first read. `audio` is
+        not copied: like the packetiser's pending samples, it must not change after the engine
+        handed it over."""
+        packet = cls.__new__(cls)
+        packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, sample_offset, 0
+        packet.samples, packet._frame = len(audio), None
+        packet._head, packet._audio, packet._encoding = head, audio, encoding
+        _BATCH.add(packet)
+        return packet
+
+    @property
+    def frame(self) -> bytes:
+        frame = self._frame
+        if frame is None:
+            _BATCH.flush()
+            frame = self._frame
+            if frame is None:  # deferred by another thread: encoded on its own
+                frame = self._frame = b"".join((self._head, encode_samples(self._audio, self._encoding)))
+        return frame
 
     @property
     def header(self) -> PacketHeader:
@@ -220,6 +252,38 @@ class Packet:
                 f"flags={self.flags}, samples={self.samples}, bytes={len(self.frame) - HEADER_BYTES})")
 
 
+class _EncodeBatch(threading.local):
+    """This thread's deferred packets, encoded together (one pass per encoding) at the first read of
+    any of them. At most `limit` wait: packets dropped unread (a purge) are let go by the next pass."""
+
+    limit: Final = 2048
+
+    def __init__(self) -> None:
+        self.pending: list[Packet] = []
+
+    def add(self, packet: Packet) -> None:
+        self.pending.append(packet)
+        if len(self.pending) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        groups: dict[Encoding, list[Packet]] = {}
+        for packet in pending:
+            if packet._frame is None:
+                groups.setdefault(packet._encoding, []).append(packet)
+        for encoding, packets in groups.items():
+            data = memoryview(encode_samples(np.concatenate([p._audio for p in packets]), encoding))
+            width, start = BYTES_PER_SAMPLE[encoding], 0
+            for p in packets:
+                end = start + p.samples * width
+                p._frame, p._audio = b"".join((p._head, data[start:end])), _EMPTY
+                start = end
+
+
+_BATCH: Final = _EncodeBatch()
+
+
 class Packetiser:
     """One utterance's engine audio -> numbered packets of `packet_ms` (the last may be shorter;
     it is empty only when the audio ended exactly on a packet edge)."""
@@ -229,6 +293,8 @@ class Packetiser:
             raise ValueError(f"{fmt.encoding} is 8000 Hz only")
         self.stream = stream
         self.format = fmt
+        self._size = fmt.samples_per_packet
+        self._encoding = fmt.encoding
         self._resampler = StreamResampler(input_rate, fmt.sample_rate)
         self._pending: Audio = _EMPTY
         self.samples_out = 0  # output samples packetised so far
@@ -239,6 +305,8 @@ class Packetiser:
         if self.finished:
             raise RuntimeError("the packetiser has already sent its last packet")
         resampled = self._resampler.process(samples, last=final)
+        if not final and len(resampled) == self._size and not len(self._pending):  # one whole packet
+            return [self._defer(resampled)]
         if len(resampled):
             self._pending = np.concatenate((self._pending, resampled)) if len(self._pending) else resampled
         pending = self._pending
@@ -247,11 +315,9 @@ class Packetiser:
         count = len(pending) // size  # whole packets ready
         if final and count and len(pending) == count * size:
             count -= 1  # the very last one goes out below, flagged as last
-        if count:  # encode them in one pass, then cut the bytes
+        if count:  # encoded later, together with other streams' packets
             whole = count * size
-            data = memoryview(encode_samples(pending if len(pending) == whole else pending[:whole], self.format.encoding))
-            step = len(data) // count
-            out += [self._make(data[i * step : (i + 1) * step], size, last=False) for i in range(count)]
+            out += [self._defer(pending[i * size : (i + 1) * size]) for i in range(count)]
             self._pending = _EMPTY if len(pending) == whole else pending[whole:]
         if final:
             out.append(self._make(memoryview(encode_samples(self._pending, self.format.encoding)),
@@ -264,7 +330,14 @@ class Packetiser:
     def duration_ms(self) -> int:
         return round(self.samples_out * 1000 / self.format.sample_rate)
 
-    def _make(self, payload: memoryview, samples: int, last: bool) -> Packet:
+    def _defer(self, audio: Audio) -> Packet:
+        seq, offset = self.packets, self.samples_out
+        head = _PACK_HEADER(PROTOCOL_VERSION, 0, self.stream, seq & 0xFFFFFFFF, offset & 0xFFFFFFFF)
+        self.packets += 1
+        self.samples_out += len(audio)
+        return Packet.deferred(self.stream, seq, offset, head, audio, self._encoding)
+
+    def _make(self, payload: bytes | memoryview, samples: int, last: bool) -> Packet:
         seq, offset, flags = self.packets, self.samples_out, FLAG_LAST if last else 0
         header = _PACK_HEADER(PROTOCOL_VERSION, flags, self.stream, seq & 0xFFFFFFFF, offset & 0xFFFFFFFF)
         self.packets += 1

@@ -154,10 +154,9 @@ class _CloseItem:
     reason: str
 
 
-@dataclass(slots=True)
-class _AudioItem:
-    stream: int
-    item: Packet | str  # a packet, or a JSON trailer (utterance.done)
+# An audio-lane entry: (stream, a packet or a JSON trailer such as utterance.done). A plain tuple:
+# one is made per packet, and a tuple costs a fraction of an object with __init__.
+_AudioItem = tuple[int, Packet | str]
 
 
 class SendQueue:
@@ -184,7 +183,7 @@ class SendQueue:
         self._news()
 
     def put_audio(self, stream: int, item: Packet | str) -> None:
-        self.audio.append(_AudioItem(stream, item))
+        self.audio.append((stream, item))
         if len(self.audio) >= self.high:
             self.writable.clear()
         self._news()
@@ -192,23 +191,26 @@ class SendQueue:
     def queued_bytes(self) -> int:
         """Memory held by queued frames (payloads and JSON text), for /metrics."""
         total = sum(len(c) if isinstance(c, str) else 0 for c in self.control)
-        for a in self.audio:
-            total += len(a.item) if isinstance(a.item, str) else len(a.item.frame)
+        for _, item in self.audio:
+            total += len(item) if isinstance(item, str) else len(item.frame)
         return total
 
     def purge(self, stream: int) -> int:
         before = len(self.audio)
-        self.audio = deque(a for a in self.audio if a.stream != stream)
-        self._after_take()
+        kept = [a for a in self.audio if a[0] != stream]
+        self.audio.clear()  # in place: a pump in progress holds this deque
+        self.audio.extend(kept)
+        self.after_take()
         self._news()
         return before - len(self.audio)
 
     def pop_audio(self) -> _AudioItem:
         item = self.audio.popleft()
-        self._after_take()
+        self.after_take()
         return item
 
-    def _after_take(self) -> None:
+    def after_take(self) -> None:
+        """Audio was taken off the lane (by pop_audio, or popped directly): producers may resume."""
         if len(self.audio) <= self.low:
             self.writable.set()
 
@@ -381,22 +383,22 @@ class Session:
             if not self.queue.audio:
                 await self.queue.wait()
                 continue
-            head = self.queue.audio[0]
-            if isinstance(head.item, Packet):
-                due = self._due_at(head.stream, head.item)
+            stream, entry = self.queue.audio[0]
+            if isinstance(entry, Packet):
+                due = self._due_at(stream, entry)
                 if due is not None:
                     wait = due - self._loop.time()
                     if wait > 0:
                         await self.queue.wait(wait)
                         continue
-            entry = self.queue.pop_audio()
-            if isinstance(entry.item, str):
-                await self._send(entry.item)
-                self._execute(self.protocol.trailer_sent(entry.stream))
+            self.queue.pop_audio()
+            if isinstance(entry, str):
+                await self._send(entry)
+                self._execute(self.protocol.trailer_sent(stream))
                 continue
-            await self._send(entry.item.frame)
+            await self._send(entry.frame)
             self.metrics.packets.inc()
-            self._after_packet_sent(entry.stream, entry.item, self._loop.time())
+            self._after_packet_sent(stream, entry, self._loop.time())
 
     async def _write_direct(self, writer: FrameWriter) -> None:
         """The direct path's writer task: what `pump` cannot do without waiting."""
@@ -443,6 +445,8 @@ class Session:
         frames: list[bytes | str] = []
         control, audio = self.queue.control, self.queue.audio
         now = self._loop.time()
+        paced = self.protocol.pacing == "realtime"
+        packet_sent = self.protocol.packet_sent
         packets = 0
         while True:
             while control and not isinstance(control[0], _CloseItem):
@@ -450,24 +454,28 @@ class Session:
                     break
             if control or not audio or self._unsendable is not None:
                 break
-            head = audio[0]
-            item = head.item
-            if isinstance(item, str):
+            stream, item = audio[0]
+            if type(item) is str:
+                audio.popleft()
                 if not self._take_text(item, frames):
-                    self.queue.pop_audio()
                     break
-                self.queue.pop_audio()
-                self._execute(self.protocol.trailer_sent(head.stream))
+                self._execute(self.protocol.trailer_sent(stream))
                 continue
-            due = self._due_at(head.stream, item)
-            if due is not None and due - now > _CLOCK_SLACK_S:
-                if self.paced_tick is None or self.paced_tick > due:
-                    self.paced_tick = self._pacer.wake_at(self, due)
-                break
-            self.queue.pop_audio()
+            assert isinstance(item, Packet)
+            if paced:
+                due = self._due_at(stream, item)
+                if due is not None and due - now > _CLOCK_SLACK_S:
+                    if self.paced_tick is None or self.paced_tick > due:
+                        self.paced_tick = self._pacer.wake_at(self, due)
+                    break
+            audio.popleft()
             frames.append(item.frame)
             packets += 1
-            self._after_packet_sent(head.stream, item, now)
+            if item.seq == 0 or item.flags:  # a stream's first or last packet: its bookkeeping
+                self._after_packet_sent(stream, item, now)
+            elif actions := packet_sent(stream, item, now):
+                self._execute(actions)
+        self.queue.after_take()
         if frames:
             writer.write(frames)
         if control or self._unsendable is not None:
@@ -516,11 +524,12 @@ class Session:
 
     # -- engine pulls -------------------------------------------------------------------------
     async def _pull(self, utterance_id: str, stream: SynthesisStream) -> None:
+        writable, receive_chunk = self.queue.writable, self.protocol.receive_chunk
         try:
             async for chunk in stream:
-                if not self.queue.writable.is_set():
-                    await self.queue.writable.wait()
-                self._execute(self.protocol.receive_chunk(utterance_id, chunk))
+                if not writable.is_set():
+                    await writable.wait()
+                self._execute(receive_chunk(utterance_id, chunk))
             self._execute(self.protocol.stream_ended(utterance_id))
         except asyncio.CancelledError:
             raise
@@ -550,12 +559,12 @@ class Session:
         pending = deque(actions)
         while pending:
             action = pending.popleft()
-            if isinstance(action, SendControl):
+            if type(action) is SendAudio:  # the common case first
+                self.queue.put_audio(action.stream, action.packet)
+            elif isinstance(action, SendControl):
                 if action.message["type"] == "error":
                     self.metrics.errors.labels(action.message["code"]).inc()
                 self.queue.put_control(encode(action.message))
-            elif isinstance(action, SendAudio):
-                self.queue.put_audio(action.stream, action.packet)
             elif isinstance(action, SendTrailer):
                 self._observe_rtf(action)
                 self.queue.put_audio(action.stream, encode(action.message))
