@@ -34,7 +34,7 @@ async function ensureAudio() {
 
 function onWorklet(msg) {
   if (msg.type === "position") {
-    state.position = { uid: msg.uid, played: msg.played, at: msg.at };
+    state.position = { uid: msg.uid, played: msg.played, at: msg.at, starving: msg.starving };
     state.underruns = msg.underruns;
     state.buffered = msg.buffered;
   } else if (msg.type === "finished" && state.current && msg.uid === state.current.uid) {
@@ -53,10 +53,18 @@ function onWorklet(msg) {
 // audio clock since the worklet's last report, minus the output latency.
 function heardMs() {
   const cur = state.current;
-  if (!cur || state.position.uid !== cur.uid || !state.ctx) return cur && cur.finished ? cur.receivedMs : 0;
-  const since = Math.max(0, state.ctx.currentTime - state.position.at);
-  const rendered = Math.min(state.position.played + since * RATE, cur.received);
-  return Math.max(0, (rendered - latencyS() * RATE) * 1000 / RATE);
+  if (!cur) return 0;
+  let ms = cur.heardMs || 0;
+  if (state.position.uid === cur.uid && state.ctx) {
+    // no extrapolation while the worklet runs dry: it renders nothing until more audio arrives
+    const since = state.position.starving ? 0 : Math.max(0, state.ctx.currentTime - state.position.at);
+    const rendered = Math.min(state.position.played + since * RATE, cur.received);
+    ms = Math.max(ms, (rendered - latencyS() * RATE) * 1000 / RATE);
+  } else if (cur.finished) {
+    ms = Math.max(ms, cur.receivedMs);
+  }
+  cur.heardMs = ms; // the listener's clock never runs backwards, whatever the report jitter
+  return ms;
 }
 
 function workletStop() {
@@ -140,7 +148,7 @@ async function speak() {
   const text = $("text").value;
   const uid = `u${state.nextId++}`;
   state.current = { uid, text, words: [], sentAt: performance.now(), ttfaMs: null, received: 0, receivedMs: 0,
-    highlighted: -1, highlightLog: [], finished: false, interrupted: null, interruptReport: null, done: null };
+    highlighted: -1, highlightLog: [], heardMs: 0, finished: false, interrupted: null, interruptReport: null, done: null };
   state.node.port.postMessage({ type: "start", uid, prebufferMs: PREBUFFER_MS });
   $("interrupt").hidden = true;
   $("ttfa").textContent = "…";

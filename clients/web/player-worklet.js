@@ -65,7 +65,7 @@ class CadencePlayer extends AudioWorkletProcessor {
       this.sinceReport = 0;
       this.port.postMessage({
         type: "position", uid: this.uid, played: this.played, at: currentTime,
-        underruns: this.underruns, buffered: this.write - this.read,
+        underruns: this.underruns, buffered: this.write - this.read, starving: this.starving,
       });
     }
     if (done) {
