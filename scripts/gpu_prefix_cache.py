@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
     engine = Qwen3Engine.from_pretrained(path, args.device, dtype, Qwen3EngineConfig(
         max_streams=top, kv_slots=top, max_len=args.max_len, max_batch=args.max_batch,
         max_tokens_per_step=args.max_tokens_per_step, queue_limit=top, enforce_eager=args.device == "cpu",
-        progress_bar=False, prefix_cache_bytes=args.cache_bytes))
+        progress_bar=False, prefix_cache_bytes=args.cache_bytes, codec_frame_buckets=tuple(args.codec_frame_buckets)))
     cache = engine.prefix_cache
     assert cache is not None
     engine._voices["clone"] = clone_voice(engine)
@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256, help="rows per step (all streams of a wave at once)")
     ap.add_argument("--requests", type=int, default=8, help="requests per concurrency level at least (waves of N)")
     ap.add_argument("--max-tokens-per-step", type=int, default=512)
+    ap.add_argument("--codec-frame-buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 25],
+                    help="Code2Wav chunk sizes captured (fewer: a shorter start-up; TTFA needs 1 and 2)")
     ap.add_argument("--cache-bytes", type=int, default=256 << 20)
     args = ap.parse_args()
     rows = asyncio.run(run(args))
