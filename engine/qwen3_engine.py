@@ -71,6 +71,8 @@ class Qwen3EngineConfig:
     ttfa_target_s: float = 0.025
     # voices' text-independent prompt prefixes kept as talker KV (engine.prefix_cache); 0 turns it off
     prefix_cache_bytes: int = 256 << 20
+    # Code2Wav state after each clone voice's reference clip (engine.codec_state_cache); 0 turns it off
+    codec_state_cache_bytes: int = 64 << 20
     default_voice: str | None = None
     progress_bar: bool = True
 
@@ -232,6 +234,7 @@ class Qwen3Engine:
                 max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
                 codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
                 enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec,
+                codec_state_cache_bytes=ec.codec_state_cache_bytes,
             ),
         )
         self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)
@@ -299,6 +302,8 @@ class Qwen3Engine:
         extra.update(self.runner.figures.snapshot())
         if self.prefix_cache is not None:
             extra.update(self.prefix_cache.stats())
+        if self.runner.codec_states is not None:
+            extra.update(self.runner.codec_states.stats())
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
         extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
         extra["step_time_ms"] = 1000 * self.scheduler.step_time_s

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from engine import sampling_kernel
+from engine.codec_state_cache import CodecStateCache
 from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
 from engine.models import decode_attention, fused_norm, fused_rope
 from engine.models.codec import Code2Wav
@@ -104,9 +105,10 @@ class RunnerConfig:
     # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
     # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
     defer_codec: bool | None = None
+    # Code2Wav state after a clone's reference clip, kept per voice (engine.codec_state_cache)
+    codec_state_cache_bytes: int = 64 << 20
 
 
-PRIME_CHUNK_FRAMES = 25  # reference frames per priming call of the codec
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -192,6 +194,8 @@ class Runner:
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
+        self.codec_states: CodecStateCache | None = (
+            CodecStateCache(config.codec_state_cache_bytes) if config.codec_state_cache_bytes > 0 else None)
         self.figures = StageFigures(cuda)
         self.prefix_cache: PrefixKVCache | None = None  # voices' prompt prefixes (engine.prefix_cache)
 
@@ -536,7 +540,7 @@ class Runner:
     ) -> Callable[[], dict[str, np.ndarray]]:
         if not chunks and not resets and not self._codec_primes:
             return dict
-        pieces: list[tuple[list[CodecChunk], Tensor]] = []
+        host: list[tuple[list[CodecChunk], Tensor]] = []
         with self._codec_ctx():
             if self.codec_stream is not None:
                 self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -546,11 +550,12 @@ class Runner:
             by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
             for c in chunks:
                 by_frames[c.num_frames].append(c)
-            for f, group in by_frames.items():
+            for group in by_frames.values():
                 for part in _slices(len(group), self.config.max_codec_batch):
                     rows = group[part]
-                    pieces.append((rows, self._decode_codec(rows, f)))
-            host = [(rows, wav.to("cpu", non_blocking=True)) for rows, wav in pieces]
+                    wav = self._decode_codec(rows)
+                    # copied out before the next replay of the same bucket overwrites its output
+                    host.append((rows, wav.to("cpu", non_blocking=True, copy=True)))
             done = torch.cuda.Event() if self.device.type == "cuda" else None
             if done is not None:  # the copies above are asynchronous: collect() waits for them
                 done.record()
@@ -568,24 +573,56 @@ class Runner:
         return collect
 
     def _prime_codec(self) -> None:
-        """Run pending reference clips through their slots' decoder state; the audio is dropped."""
-        while self._codec_primes:
-            slot, codes = self._codec_primes.popitem()
-            slots = self._to_device([slot])
-            for start in range(0, codes.shape[0], PRIME_CHUNK_FRAMES):
-                part = codes[start : start + PRIME_CHUNK_FRAMES].to(self.device, torch.long, non_blocking=True)
-                self.codec.decode_step(slots, part[None])
+        """Run pending reference clips through their slots' decoder state (the audio is dropped).
+        A clip already run for an earlier request has its end state copied from the cache instead;
+        the others run once each, batched by length through the graph buckets."""
+        if not self._codec_primes:
+            return
+        clips: dict[int, tuple[Tensor, list[int]]] = {}
+        for slot, codes in self._codec_primes.items():
+            clips.setdefault(id(codes), (codes, []))[1].append(slot)
+        self._codec_primes.clear()
+        by_length: dict[int, list[tuple[Tensor, list[int]]]] = defaultdict(list)
+        for codes, slots in clips.values():
+            state = self.codec_states.lookup(codes) if self.codec_states is not None else None
+            if state is not None:
+                self.codec.load_slot_state(self._to_device(slots), state)
+            else:
+                by_length[int(codes.shape[0])].append((codes, slots))
+        for group in by_length.values():
+            for part in _slices(len(group), self.config.max_codec_batch):
+                rows = group[part]
+                codes = torch.stack([c.to(self.device, torch.long, non_blocking=True) for c, _ in rows])
+                self._run_frames([slots[0] for _, slots in rows], codes)
+                for clip, slots in rows:
+                    state = self.codec.slot_state(slots[0])
+                    if len(slots) > 1:
+                        self.codec.load_slot_state(self._to_device(slots[1:]), state)
+                    if self.codec_states is not None:
+                        self.codec_states.store(clip, state)
 
-    def _decode_codec(self, rows: list[CodecChunk], f: int) -> Tensor:
-        n = len(rows)
-        b = bucket_for(n, self.codec_batches) or n
+    def _run_frames(self, slots: list[int], codes: Tensor) -> None:
+        """Advance the slots through codes [B, F, Q] in chunks of the captured sizes, output dropped."""
+        start, total = 0, int(codes.shape[1])
+        while start < total:
+            left = total - start
+            f = max((b for b in self.config.codec_frame_buckets if b <= left), default=left)
+            self._decode_frames(slots, codes[:, start : start + f])
+            start += f
+
+    def _decode_codec(self, rows: list[CodecChunk]) -> Tensor:
         codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
-        slot_list = [c.codec_slot for c in rows] + [self.codec_dummy] * (b - n)
+        return self._decode_frames([c.codec_slot for c in rows], codes)
+
+    def _decode_frames(self, slot_list: list[int], codes: Tensor) -> Tensor:
+        """Decode codes [n, F, Q] (host or device) into the n slots, through the (bucket, F) graph
+        when there is one; the result may be that graph's static output."""
+        n, f = len(slot_list), int(codes.shape[1])
+        b = bucket_for(n, self.codec_batches) or n
         if ("codec", b, f) not in self.codec_graphs.graphs:
-            slots = torch.tensor(slot_list[:n], dtype=torch.long).to(self.device, non_blocking=True)
-            return self.codec.decode_step(slots, codes.to(self.device, non_blocking=True))
+            return self.codec.decode_step(self._to_device(slot_list), codes.to(self.device, non_blocking=True))
         slots_buf, codes_buf, out = self._codec_buffers(b, f)
-        slots_buf.copy_(torch.tensor(slot_list, dtype=torch.long), non_blocking=True)
+        slots_buf.copy_(torch.tensor(slot_list + [self.codec_dummy] * (b - n), dtype=torch.long), non_blocking=True)
         codes_buf[:n].copy_(codes, non_blocking=True)
         self.codec_graphs.run(("codec", b, f), self._codec_fn(b, f))
         return out[:n]

@@ -459,22 +459,32 @@ class Code2Wav(nn.Module):
     def max_slots(self) -> int:
         return 0 if self.positions is None else self.positions.shape[0]
 
+    def _state_pools(self) -> list[Tensor]:
+        """Every per-slot state tensor (dim 0 = slot): conv histories, attention windows, positions."""
+        assert self.positions is not None, "call init_streams() first"
+        pools = [m.state for m in self.modules() if isinstance(m, _Streamable) and m.state is not None]
+        pools += [t for kv in self.pre_transformer.kv for t in kv]
+        return pools + [self.positions]
+
     def state_bytes_per_slot(self) -> int:
-        tensors = [m.state for m in self.modules() if isinstance(m, _Streamable) and m.state is not None]
-        tensors += [t for kv in self.pre_transformer.kv for t in kv]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(t[0].numel() * t.element_size() for t in self._state_pools())
 
     @torch.no_grad()
     def reset(self, slots: Tensor) -> None:
         """Start the given slots afresh (frame 0, silent history)."""
-        assert self.positions is not None, "call init_streams() first"
-        for module in self.modules():
-            if isinstance(module, _Streamable) and module.state is not None:
-                module.state.index_fill_(0, slots, 0)
-        for k, v in self.pre_transformer.kv:
-            k.index_fill_(0, slots, 0)
-            v.index_fill_(0, slots, 0)
-        self.positions.index_fill_(0, slots, 0)
+        for pool in self._state_pools():
+            pool.index_fill_(0, slots, 0)
+
+    @torch.no_grad()
+    def slot_state(self, slot: int) -> list[Tensor]:
+        """A copy of one slot's whole streaming state (see load_slot_state)."""
+        return [pool[slot].clone() for pool in self._state_pools()]
+
+    @torch.no_grad()
+    def load_slot_state(self, slots: Tensor, state: list[Tensor]) -> None:
+        """Put a state from slot_state() into each of the given slots: they continue from it."""
+        for pool, row in zip(self._state_pools(), state, strict=True):
+            pool.index_copy_(0, slots, row.unsqueeze(0).expand(len(slots), *row.shape))
 
     @torch.no_grad()
     def decode_step(self, slots: Tensor, codes: Tensor) -> Tensor:

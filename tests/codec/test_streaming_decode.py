@@ -98,6 +98,23 @@ def test_reset_starts_a_slot_afresh(codec: Any, codes: torch.Tensor, offline: to
     torch.testing.assert_close(wav, offline[0, : 80 * SAMPLES_PER_FRAME], atol=TOL, rtol=0)
 
 
+def test_a_slots_state_copied_into_others_continues_like_the_original(codec: Any, codes: torch.Tensor,
+                                                                      offline: torch.Tensor) -> None:
+    codec.init_streams(4)
+    stream(codec, 0, codes[2, :90], [25, 25, 40])  # past the attention window
+    state = codec.slot_state(0)
+    codec.reset(torch.tensor([2, 3]))
+    codec.load_slot_state(torch.tensor([2, 3]), state)
+    with torch.no_grad():
+        wav = codec.decode_step(torch.tensor([0, 2, 3]), codes[2, 90:110].expand(3, -1, -1))
+        stream(codec, 1, codes[1, :10], [10])  # another slot's work leaves the copies alone
+        later = codec.decode_step(torch.tensor([3]), codes[2, 110:130][None])[0]
+    expected = offline[2, 90 * SAMPLES_PER_FRAME : 110 * SAMPLES_PER_FRAME]
+    for row in wav:
+        torch.testing.assert_close(row, expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(later, offline[2, 110 * SAMPLES_PER_FRAME : 130 * SAMPLES_PER_FRAME], atol=TOL, rtol=0)
+
+
 def test_state_is_bounded_and_per_slot(codec: Any) -> None:
     codec.init_streams(5)
     assert codec.max_slots == 5

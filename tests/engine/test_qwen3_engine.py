@@ -107,6 +107,33 @@ async def test_batched_greedy_output_equals_offline_generation_and_streamed_audi
         np.testing.assert_allclose(audio, offline, atol=1e-4)
 
 
+async def test_rows_of_one_chunk_size_beyond_one_batch_keep_their_own_audio_with_static_outputs(bundle):
+    """A captured Code2Wav graph writes every replay into one static output; rows of one chunk size
+    split over several replays of the same bucket must each be copied out before the next replay."""
+    _, codec = bundle
+    engine = make_engine(bundle, max_codec_batch=1, defer_codec=True)
+    runner = engine.runner
+    static: dict[tuple[int, int], torch.Tensor] = {}
+    eager = runner._decode_frames
+
+    def like_a_graph(slots, codes):
+        wav = eager(slots, codes)
+        out = static.setdefault(tuple(wav.shape), torch.empty_like(wav))
+        out.copy_(wav)
+        return out
+
+    runner._decode_frames = like_a_graph
+    texts = {"a": ("Hello world.", 5), "b": ("The quick brown fox jumps over the lazy dog.", 5)}
+    opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
+    drive(engine)
+    for rid, (stream, state) in opened.items():
+        audio = np.concatenate([c.samples for c in await collect(stream)])
+        with torch.no_grad():
+            offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
+        np.testing.assert_allclose(audio, offline, atol=1e-4, err_msg=rid)
+    assert static  # the static outputs were used
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
 async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer):
     _, codec = bundle

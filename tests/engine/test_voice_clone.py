@@ -74,6 +74,53 @@ async def test_an_in_context_clone_continues_its_reference_as_upstream_decodes_i
     assert np.abs(unprimed - upstream).max() > 1e-3  # the reference context changes the audio
 
 
+async def test_a_clones_reference_runs_through_code2wav_once_and_later_requests_copy_its_state(
+        engine: Qwen3Engine) -> None:
+    await engine.register_voice("cached", clip(2.5), 16000, "A third reference sentence.")
+    voice = engine._voices["cached"]
+    voice.ref_codes = torch.randint(0, 2048, (7, 16), generator=torch.Generator().manual_seed(5))
+    states = engine.runner.codec_states
+    assert states is not None
+    runs = []
+    decode_frames = engine.runner._decode_frames
+    engine.runner._decode_frames = lambda slots, codes: runs.append((list(slots), codes.shape[1])) or decode_frames(
+        slots, codes)
+    try:
+        first = await speak(engine, "c1", 5, voice="cached")
+        first_run = sum(n for _, n in runs)
+        hits = states.hits
+        runs.clear()
+        again = await speak(engine, "c2", 5, voice="cached")
+    finally:
+        engine.runner._decode_frames = decode_frames
+    assert first_run == 7 + 5  # the reference's frames, then the request's own
+    assert sum(n for _, n in runs) == 5  # only the 5 new frames ran: the reference state was copied
+    assert states.hits == hits + 1
+    np.testing.assert_allclose(again, first, atol=1e-5)
+
+
+async def test_clones_opened_together_share_one_priming_run(engine: Qwen3Engine) -> None:
+    await engine.register_voice("pair", clip(2.0), 16000, "Yet another reference sentence.")
+    voice = engine._voices["pair"]
+    voice.ref_codes = torch.randint(0, 2048, (6, 16), generator=torch.Generator().manual_seed(6))
+    alone = await speak(engine, "p0", 4, voice="pair")
+    engine.runner.codec_states._entries.clear()  # cold again: both requests below miss
+    streams = []
+    for rid in ("p1", "p2"):
+        stream = engine.open(SynthesisRequest(request_id=rid, language="English", greedy=True, max_frames=4,
+                                              voice="pair"))
+        stream.push(TextSegment(TEXT, char_start=0))
+        stream.close_text()
+        streams.append(stream)
+    misses, hits = engine.runner.codec_states.misses, engine.runner.codec_states.hits
+    drive(engine)
+    together = [np.concatenate([c.samples async for c in s]) for s in streams]
+    # both primed in one step: one clip, one lookup, one run, its state copied to the other slot
+    assert (engine.runner.codec_states.misses, engine.runner.codec_states.hits) == (misses + 1, hits)
+    for audio in together:
+        np.testing.assert_allclose(audio, alone, atol=1e-5)
+
+
 def test_unusable_one_off_clips_are_refused_at_open(engine: Qwen3Engine) -> None:
     with pytest.raises(InvalidAudio):
         engine.open(SynthesisRequest(request_id="bad", ref_audio=(np.zeros(32000, np.float32), 16000)))

@@ -133,3 +133,28 @@ def test_graph_bank_is_populated_largest_first(runner):
 def test_row_sampling_defaults_force_nothing():
     s = RowSampling(seed=1)
     assert s.end_at > 10**6 and s.min_new_tokens == 2
+
+
+def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio(runner):
+    """Each replay of a Code2Wav graph writes the same static output: every slice is copied out
+    before the next replay of that bucket."""
+    from engine.plan import CodecChunk
+
+    codec, f = runner.codec, 4
+    codes = torch.randint(0, 2048, (4, f, 16))
+    chunks = [CodecChunk(request_id=f"r{i}", codec_slot=i, first_frame=0, codes=codes[i].tolist(), first_chunk=True)
+              for i in range(4)]
+    slots = torch.arange(4, device="cuda")
+    size = runner.config.max_codec_batch
+    runner.config.max_codec_batch = 2  # two slices of 2 rows: the (2, 4) graph replays twice
+    try:
+        with torch.no_grad():
+            codec.reset(slots)
+            audio = runner._launch_codec(chunks, [])()
+            codec.reset(slots)
+            eager = codec.decode_step(slots, codes.cuda()).float().cpu()
+    finally:
+        runner.config.max_codec_batch = size
+    assert ("codec", 2, f) in runner.codec_graphs.graphs
+    for i in range(4):
+        torch.testing.assert_close(torch.from_numpy(audio[f"r{i}"]), eager[i])
