@@ -111,6 +111,9 @@ class RunnerConfig:
 
 
 
+EAGER_CHUNK_FRAMES = 25  # frames per eager Code2Wav call when no graph fits (bounds its activations)
+
+
 def _slices(n: int, size: int) -> Iterator[slice]:
     for i in range(0, n, size):
         yield slice(i, min(n, i + size))
@@ -602,11 +605,14 @@ class Runner:
                         self.codec_states.store(clip, state)
 
     def _run_frames(self, slots: list[int], codes: Tensor) -> None:
-        """Advance the slots through codes [B, F, Q] in chunks of the captured sizes, output dropped."""
+        """Advance the slots through codes [B, F, Q], output dropped: in chunks of the captured
+        sizes (graph replays), else eagerly in chunks of EAGER_CHUNK_FRAMES."""
+        b = bucket_for(len(slots), self.codec_batches) or len(slots)
+        captured = [f for f in self.config.codec_frame_buckets if ("codec", b, f) in self.codec_graphs.graphs]
         start, total = 0, int(codes.shape[1])
         while start < total:
             left = total - start
-            f = max((b for b in self.config.codec_frame_buckets if b <= left), default=left)
+            f = max((f for f in captured if f <= left), default=min(left, EAGER_CHUNK_FRAMES))
             self._decode_frames(slots, codes[:, start : start + f])
             start += f
 

@@ -6,10 +6,11 @@
 
 The voice is an in-context clone with a 10 s reference (125 reference frames, a transcript of about
 ten seconds of speech) and a random x-vector. For each concurrency N, N requests of that voice open
-together (each a different sentence, a forced length of --frames frames) twice: with the prefix
-cache off, then with it on and warm (one request of the voice served before). TTFA is measured per
-request from open() to its first audio chunk. Reported: prompt and prefix positions, TTFA p50/p90
-for both runs and what the cache saves.
+together (each a different sentence, a forced length of --frames frames) three times: with both of
+the voice's caches off ("off"), with the talker's prompt-prefix KV cache on ("kv"), then with the
+Code2Wav state cache (the decoder state after the reference clip) on as well ("both"); the caches
+are warm (one request of the voice served before). TTFA is measured per request from open() to its
+first audio chunk. Reported: prefix positions, TTFA p50/p90 per run and what the caches save.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.api import SynthesisRequest, TextSegment  # noqa: E402
+from engine.codec_state_cache import CodecStateCache  # noqa: E402
 from engine.prefix_cache import PrefixKVCache  # noqa: E402
 from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig, _Voice  # noqa: E402
 
@@ -54,9 +56,14 @@ def clone_voice(engine: Qwen3Engine, seed: int = 0) -> _Voice:
     )
 
 
-def set_cache(engine: Qwen3Engine, cache: PrefixKVCache | None) -> None:
-    engine.prefix_cache = engine.runner.prefix_cache = cache
-    engine.scheduler.prefix_lookup = cache.lookup if cache is not None else None
+MODES = ("off", "kv", "both")
+
+
+def set_caches(engine: Qwen3Engine, mode: str, kv: PrefixKVCache, codec: CodecStateCache) -> None:
+    on = mode != "off"
+    engine.prefix_cache = engine.runner.prefix_cache = kv if on else None
+    engine.scheduler.prefix_lookup = kv.lookup if on else None
+    engine.runner.codec_states = codec if mode == "both" else None
 
 
 async def one(engine: Qwen3Engine, rid: str, text: str, frames: int) -> float:
@@ -96,30 +103,31 @@ async def run(args: argparse.Namespace) -> list[dict]:
         max_streams=top, kv_slots=top, max_len=args.max_len, max_batch=args.max_batch,
         max_tokens_per_step=args.max_tokens_per_step, queue_limit=top, enforce_eager=args.device == "cpu",
         progress_bar=False, prefix_cache_bytes=args.cache_bytes, codec_frame_buckets=tuple(args.codec_frame_buckets)))
-    cache = engine.prefix_cache
-    assert cache is not None
+    cache, codec_states = engine.prefix_cache, engine.runner.codec_states
+    assert cache is not None and codec_states is not None
     engine._voices["clone"] = clone_voice(engine)
     await engine.start()
     try:
         await wave(engine, "warm", min(4, top), args.frames)  # allocator and code paths, cache filled
         rows = []
         for n in args.streams:
-            off: list[float] = []
-            on: list[float] = []
+            ttfa: dict[str, list[float]] = {m: [] for m in MODES}
             for rep in range(max(1, args.requests // n)):  # a few waves when n is small: steadier medians
-                set_cache(engine, None)
-                off += await wave(engine, f"off{n}-{rep}", n, args.frames)
-                set_cache(engine, cache)
-                hits = cache.hits
-                on += await wave(engine, f"on{n}-{rep}", n, args.frames)
-                assert cache.hits - hits == n, "every request of the warm voice should hit"
-            a, b = summary(off), summary(on)
-            rows.append({"streams": n, "off": a, "on": b, "saved_p50_ms": a["p50_ms"] - b["p50_ms"],
-                         "saved_mean_ms": a["mean_ms"] - b["mean_ms"]})
+                for mode in MODES:
+                    set_caches(engine, mode, cache, codec_states)
+                    hits = cache.hits
+                    ttfa[mode] += await wave(engine, f"{mode}{n}-{rep}", n, args.frames)
+                    assert mode == "off" or cache.hits - hits == n, "every request of the warm voice should hit"
+            row = {"streams": n, **{m: summary(ttfa[m]) for m in MODES}}
+            for m in MODES[1:]:
+                row[f"saved_p50_ms_{m}"] = row["off"]["p50_ms"] - row[m]["p50_ms"]
+                row[f"saved_mean_ms_{m}"] = row["off"]["mean_ms"] - row[m]["mean_ms"]
+            rows.append(row)
         load = engine.load().extra
         prefix = cache.positions_reused / max(1, cache.hits)
         print(json.dumps({"prefix_positions": prefix, "cache_bytes": load["prefix_cache_bytes"],
-                          "hits": cache.hits, "misses": cache.misses}))
+                          "hits": cache.hits, "misses": cache.misses,
+                          "codec_state_bytes": codec_states.bytes, "codec_state_hits": codec_states.hits}))
     finally:
         await engine.stop()
     return rows
@@ -141,11 +149,11 @@ def main() -> None:
     ap.add_argument("--cache-bytes", type=int, default=256 << 20)
     args = ap.parse_args()
     rows = asyncio.run(run(args))
-    print(f"{'streams':>8} {'off p50':>9} {'on p50':>9} {'saved p50':>10} {'off p90':>9} {'on p90':>9} "
-          f"{'saved mean':>11}   (ms, TTFA from open() to the first audio chunk)")
+    print(f"{'streams':>8} " + " ".join(f"{m + ' p50':>10} {m + ' p90':>10}" for m in MODES)
+          + f" {'saved kv':>9} {'saved both':>10}   (ms, TTFA from open() to the first audio chunk; saved: p50)")
     for r in rows:
-        print(f"{r['streams']:>8} {r['off']['p50_ms']:>9.1f} {r['on']['p50_ms']:>9.1f} {r['saved_p50_ms']:>10.1f} "
-              f"{r['off']['p90_ms']:>9.1f} {r['on']['p90_ms']:>9.1f} {r['saved_mean_ms']:>11.1f}")
+        print(f"{r['streams']:>8} " + " ".join(f"{r[m]['p50_ms']:>10.1f} {r[m]['p90_ms']:>10.1f}" for m in MODES)
+              + f" {r['saved_p50_ms_kv']:>9.1f} {r['saved_p50_ms_both']:>10.1f}")
     print(json.dumps(rows))
 
 
