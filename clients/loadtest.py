@@ -40,6 +40,8 @@ DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
 STREAMS_PER_PROCESS = 128
 GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
 ENGINE_FIGURE_METRIC = "cadence_engine_figure"
+CPU_METRIC = "process_cpu_seconds_total"
+WORKER_CPU_FIGURE = "worker_cpu_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,16 +212,22 @@ def run_point(
     shared.start_at.value = time.perf_counter()
     shared.go.set()
     window_start = shared.start_at.value + args.warmup_seconds
+    url = args.metrics_url or metrics_url(args.url)
+    cpu_at_start: dict[str, float] | None = None
     while True:
         now = time.perf_counter()
         phase = "warming up" if now < window_start else "measuring"
+        if cpu_at_start is None and now >= window_start:
+            cpu_at_start = cpu_seconds(scrape(url))
         progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: {phase}")
         long_enough = now >= window_start + args.min_seconds and shared.measured.value >= target
         if long_enough or now >= window_start + args.max_seconds or not any(w.is_alive() for w in workers):
             break
         time.sleep(0.2)
     window_end = time.perf_counter()
-    figures = engine_figures(args.metrics_url or metrics_url(args.url))  # under load, before draining
+    text = scrape(url)  # under load, before draining
+    figures = parse_engine_figures(text)
+    cpu = cpu_shares(cpu_at_start or {}, cpu_seconds(text), window_end - max(window_start, shared.start_at.value))
     shared.stop.set()
     progress.update(task, description=f"C={concurrency}: draining")
     records: list[RequestRecord] = []
@@ -235,8 +243,9 @@ def run_point(
     for worker in workers:
         worker.join(timeout=10)
     progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
-    gpu = gpu_memory_gb(args.metrics_url or metrics_url(args.url))
+    gpu = gpu_memory_gb(url)
     point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+    point.update(cpu)
     if figures:
         point["engine_figures"] = figures
     return point
@@ -273,9 +282,25 @@ def gpu_memory_gb(url: str) -> float | None:
     return None
 
 
-def engine_figures(url: str) -> dict[str, float]:
-    """The engine's load figures (stage times per step, batch sizes, KV, queue) from /metrics."""
-    return parse_engine_figures(scrape(url))
+def cpu_seconds(text: str) -> dict[str, float]:
+    """CPU seconds used so far by the gateway's process and by its engine workers, from /metrics."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(CPU_METRIC + " "):
+            out["gateway"] = float(line.split()[-1])
+    worker = parse_engine_figures(text).get(WORKER_CPU_FIGURE)
+    if worker is not None:
+        out["engine_workers"] = worker
+    return out
+
+
+def cpu_shares(start: dict[str, float], end: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Each process's CPU over the window as % of one core (the gateway's event loop has one)."""
+    return {
+        f"{name}_cpu_pct": round(100 * (end[name] - start[name]) / wall_s, 1)
+        for name in end
+        if name in start and wall_s > 0
+    }
 
 
 def parse_engine_figures(text: str) -> dict[str, float]:
@@ -390,6 +415,9 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
             stages = {k: v for k, v in point.get("engine_figures", {}).items() if k.startswith(("step_ms", "batch_"))}
             if stages:
                 progress.console.print(f"  engine per step: {stages}")
+            cpu = {k: v for k, v in point.items() if k.endswith("_cpu_pct")}
+            if cpu:
+                progress.console.print(f"  CPU, % of one core: {cpu}")
             if point["rtf_p90"] is not None and point["rtf_p90"] > args.stop_rtf:
                 break
     if not args.no_plots and run["points"]:

@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -114,7 +115,10 @@ class _WorkerLoop:
 
     async def _report_load(self) -> None:
         while True:
-            self.send("load", self.engine.load())
+            load = self.engine.load()
+            # this worker process's CPU time (all its threads): the load test turns it into a share of a core
+            load.extra["worker_cpu_seconds"] = time.process_time()
+            self.send("load", load)
             await asyncio.sleep(LOAD_PERIOD_S)
 
     def _handle(self, message: tuple[Any, ...]) -> None:

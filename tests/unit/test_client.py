@@ -174,3 +174,21 @@ def test_engine_figures_are_read_from_the_gateways_metrics() -> None:
     metrics.observe_engine(EngineLoad(active=3, queued=1, capacity=8, queue_limit=4, extra=extra))
     assert parse_engine_figures(generate_latest(metrics.registry).decode()) == extra
     assert parse_engine_figures("cadence_engine_active 3.0\n") == {}
+
+
+def test_cpu_shares_come_from_the_gateways_process_and_its_engine_workers() -> None:
+    from prometheus_client import generate_latest
+
+    from clients.loadtest import cpu_seconds, cpu_shares
+    from engine.api import EngineLoad
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.observe_engine(EngineLoad(active=1, queued=0, capacity=8, queue_limit=4,
+                                      extra={"worker_cpu_seconds": 12.5}))
+    start = cpu_seconds(generate_latest(metrics.registry).decode())
+    assert set(start) == {"gateway", "engine_workers"} and start["engine_workers"] == 12.5
+    assert start["gateway"] > 0  # this test process's own CPU time so far
+    end = {"gateway": start["gateway"] + 1.5, "engine_workers": 18.5}
+    assert cpu_shares(start, end, 2.0) == {"gateway_cpu_pct": 75.0, "engine_workers_cpu_pct": 300.0}
+    assert cpu_shares({}, end, 2.0) == {}  # nothing read at the window's start: no figure

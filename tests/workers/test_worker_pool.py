@@ -84,6 +84,8 @@ async def test_new_requests_go_to_the_least_loaded_worker() -> None:
         assert nxt.worker.index == 0
         await wait_for(lambda: pool.load().active == 3)
         assert pool.load().extra["workers_alive"] == 2
+        # each worker reports its process's CPU time; the pool sums them (the load test's CPU share)
+        assert 0 < pool.load().extra["worker_cpu_seconds"] < 600
         for s in (streams[1], streams[3], nxt):
             s.cancel()
     finally:
