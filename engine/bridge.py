@@ -1,12 +1,16 @@
 """Hand audio from an engine thread to the asyncio consumer without polling.
 
 The engine thread calls `put()` / `finish()` / `fail()`; the event loop iterates. Wake-ups go
-through `loop.call_soon_threadsafe`, so the consumer sleeps until there is work.
+through `loop.call_soon_threadsafe`, so the consumer sleeps until there is work. Items for all the
+channels of one loop travel through one mailbox: a step that hands out a hundred chunks wakes the
+loop once, not a hundred times (each wake-up is a write to the loop's self-pipe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -15,25 +19,66 @@ from engine.api import AudioChunk, EngineError
 _END = object()
 
 
+class _Mailbox:
+    """Items posted to a loop's channels from other threads, delivered in order, in batches."""
+
+    _of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+    _created = threading.Lock()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        box = cls._of_loop.get(loop)
+        if box is None:
+            with cls._created:
+                box = cls._of_loop.setdefault(loop, _Mailbox(loop))
+        return box
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[ChunkChannel, object]] = []
+        self._wake_pending = False
+
+    def post(self, channel: ChunkChannel, item: object) -> None:
+        with self._lock:
+            self._items.append((channel, item))
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is left to read
+            with self._lock:
+                self._wake_pending = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._wake_pending = False
+        for channel, item in items:
+            channel._push(item)
+
+
 class ChunkChannel:
     """One request's chunks, engine thread -> event loop. Unbounded on purpose: the engine never
     waits on a client; the gateway's per-session queue applies the backpressure."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self._mailbox = _Mailbox.of(self._loop)
         self._items: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
     # -- producer side (any thread) --------------------------------------------------------
     def put(self, chunk: AudioChunk) -> None:
-        self._loop.call_soon_threadsafe(self._push, chunk)
+        self._mailbox.post(self, chunk)
 
     def finish(self) -> None:
-        self._loop.call_soon_threadsafe(self._push, _END)
+        self._mailbox.post(self, _END)
 
     def fail(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._push, error)
+        self._mailbox.post(self, error)
 
     # -- consumer side (event loop) --------------------------------------------------------
     def _push(self, item: object) -> None:

@@ -1,0 +1,207 @@
+"""The engine's host path at scale, without a GPU: what a step costs around the GPU's work.
+
+A stand-in engine runs the real step loop (engine.core.EngineCore with the real Scheduler) whose
+runner only waits `--gpu-ms` per step with the GIL released, as the step thread does while CUDA
+works, and returns fake codes and Code2Wav audio of the real sizes. Its outputs leave through
+ChunkChannels as the Qwen3 engine's do. It is served from a worker process (engine.workers, as
+`cadence serve` runs the Qwen3 engine on a GPU) to this process, which keeps `--streams` requests
+of `--frames` frames open (closed loop) and consumes their chunks.
+
+Reported per level: steps per second against the ideal 1000 / gpu_ms, the step thread's host time
+per step (schedule + update + outputs), audio seconds delivered per second, and CPU of the worker
+process and of this one. A step interval far above gpu_ms at many streams is host overhead that a
+GPU run pays too.
+
+    .venv/bin/python -m scripts.bench_worker_host --streams 64,256,512 --gpu-ms 30 --seconds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment  # noqa: E402
+from engine.bridge import ChunkChannel  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
+from engine.plan import RequestOutput, StepOutput, StepPlan  # noqa: E402
+from engine.request import SAMPLES_PER_FRAME, Request, RequestStatus, Segment  # noqa: E402
+from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from engine.workers import WorkerPoolEngine, WorkerSpec  # noqa: E402
+
+PROMPT_LEN = 40
+
+
+class SleepRunner:
+    """Waits out the GPU's share of a step (GIL released), then answers like the runner."""
+
+    def __init__(self, gpu_s: float) -> None:
+        self.gpu_s = gpu_s
+        self.host_s = 0.0  # host time of the step thread outside the waits, summed
+        self._last = time.perf_counter()
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        start = time.perf_counter()
+        self.host_s += start - self._last
+        time.sleep(self.gpu_s)
+        codes = [[7] * 16 for _ in plan.sampling_rows]
+        audio = {c.request_id: np.zeros(c.num_frames * SAMPLES_PER_FRAME, np.float32) for c in plan.codec}
+        audio |= {f.request_id: np.zeros(SAMPLES_PER_FRAME, np.float32) for f in plan.first_audio_now}
+        self._last = time.perf_counter()
+        return StepOutput(codes=codes, audio=audio)
+
+
+class _Stream:
+    def __init__(self, engine: HostOnlyEngine, request: SynthesisRequest) -> None:
+        self.request_id = request.request_id
+        self.engine = engine
+        self.frames = request.forced_frames or 50
+        self.channel = ChunkChannel()
+
+    def push(self, segment: TextSegment) -> None:
+        self.segment = segment
+
+    def close_text(self) -> None:
+        core = self.engine.core
+        core.add_segment(self.request_id, Segment(text=self.segment, prompt_len=0, max_frames=self.frames))
+        core.close_text(self.request_id)
+
+    def cancel(self) -> None:
+        self.engine.core.abort(self.request_id)
+        self.channel.close()
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        return self.channel.__aiter__()
+
+
+class HostOnlyEngine:
+    def __init__(self, streams: int, gpu_ms: float) -> None:
+        self.info = EngineInfo(name="host-only", model="none", sample_rate=24_000, voices=("default",),
+                               languages=("English",), default_voice="default")
+        layout = KVCacheLayout(num_slots=streams, max_len=512, bytes_per_token=1024)
+        config = SchedulerConfig(max_batch=streams, codec_slots=streams, max_codec_rows=streams,
+                                 queue_limit=4 * streams, max_tokens_per_step=streams + 512)  # as cadence serve
+        self.scheduler = Scheduler(config, KVCacheManager(layout))
+        self.runner = SleepRunner(gpu_ms / 1000)
+        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, self._prepare)
+        self.streams: dict[str, _Stream] = {}
+
+    async def start(self) -> None:
+        self.core.start()
+
+    async def stop(self) -> None:
+        self.core.stop()
+
+    def load(self) -> EngineLoad:
+        steps = max(1, self.core.steps)
+        return EngineLoad(active=self.scheduler.num_active, queued=self.scheduler.num_queued,
+                          capacity=self.scheduler.config.codec_slots, queue_limit=self.scheduler.config.queue_limit,
+                          extra={"steps": float(self.core.steps), "host_ms_per_step": 1000 * self.runner.host_s / steps})
+
+    def open(self, request: SynthesisRequest) -> _Stream:
+        stream = _Stream(self, request)
+        self.streams[request.request_id] = stream
+        self.core.add_request(Request(request_id=request.request_id, arrival_time=self.scheduler.clock()))
+        return stream
+
+    async def register_voice(self, *args: Any) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _prepare(segment: Segment) -> None:
+        segment.prompt_len = PROMPT_LEN
+
+    def _on_outputs(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            stream = self.streams.get(o.request_id)
+            if stream is None:
+                continue
+            if o.audio is not None:
+                stream.channel.put(AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset))
+            if o.finished:
+                del self.streams[o.request_id]
+                if o.status == RequestStatus.FINISHED_STOPPED:
+                    stream.channel.put(AudioChunk(o.request_id, np.zeros(0, np.float32), 0, final=True))
+                else:
+                    stream.channel.finish()
+
+
+def build(streams: int, gpu_ms: float, switch_interval_ms: float | None) -> HostOnlyEngine:
+    if switch_interval_ms:
+        sys.setswitchinterval(switch_interval_ms / 1000)
+    return HostOnlyEngine(streams, gpu_ms)
+
+
+async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
+    pool = WorkerPoolEngine([WorkerSpec(functools.partial(build, streams, args.gpu_ms, args.switch_interval_ms), dict(os.environ))])
+    await pool.start()
+    samples = 0
+    ids = iter(range(1 << 30))
+    stop = asyncio.Event()
+
+    async def one_client() -> None:
+        nonlocal samples
+        while not stop.is_set():
+            stream = pool.open(SynthesisRequest(request_id=f"r{next(ids)}", forced_frames=args.frames))
+            stream.push(TextSegment("Hello there.", char_start=0))
+            stream.close_text()
+            async for chunk in stream:
+                samples += chunk.samples.size
+
+    clients = [asyncio.create_task(one_client()) for _ in range(streams)]
+    await asyncio.sleep(args.warmup)
+    before = pool.load().extra, samples, time.perf_counter(), os.times()
+    await asyncio.sleep(args.seconds)
+    after = pool.load().extra, samples, time.perf_counter(), os.times()
+    stop.set()
+    await pool.stop()
+    for task in clients:
+        task.cancel()
+    wall = after[2] - before[2]
+    steps = after[0]["steps"] - before[0]["steps"]
+    return {
+        "streams": streams, "gpu_ms": args.gpu_ms, "switch_interval_ms": args.switch_interval_ms or 5.0, "steps_per_s": round(steps / wall, 1),
+        "ideal_steps_per_s": round(1000 / args.gpu_ms, 1),
+        "step_interval_ms": round(1000 * wall / max(1.0, steps), 2),
+        "host_ms_per_step": round(after[0]["host_ms_per_step"], 2),
+        "audio_s_per_s": round((after[1] - before[1]) / 24_000 / wall, 1),
+        "worker_cpu_pct": round(100 * (after[0]["worker_cpu_seconds"] - before[0]["worker_cpu_seconds"]) / wall, 1),
+        "this_process_cpu_pct": round(100 * (sum(after[3][:2]) - sum(before[3][:2])) / wall, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="64,256,512")
+    ap.add_argument("--gpu-ms", type=float, default=30.0, help="the GPU's share of one step")
+    ap.add_argument("--frames", type=int, default=60, help="frames per request (closed loop)")
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--switch-interval-ms", type=float, default=None, help="the worker's GIL switch interval")
+    ap.add_argument("-o", "--output", type=Path, default=None)
+    args = ap.parse_args()
+    rows = [asyncio.run(level(int(n), args)) for n in args.streams.split(",")]
+    for row in rows:
+        print(json.dumps(row))
+    print("median step interval over ideal:",
+          round(statistics.median(r["step_interval_ms"] / r["gpu_ms"] for r in rows), 2))
+    if args.output:
+        args.output.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
