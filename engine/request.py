@@ -52,6 +52,7 @@ class Segment:
     prefix_key: str | None = None  # hash of the prompt's text-independent prefix (None: no reuse)
     prefix_len: int = 0  # positions of that prefix
     copied: int = 0  # positions the current slot got from the prefix cache
+    cap: int = 0  # frames this segment may take (0 until first asked; see Scheduler._segment_cap)
 
     @property
     def context_target(self) -> int:
@@ -82,6 +83,8 @@ class Request:
     first_audio_time: float | None = None
     preemptions: int = 0
     error: str | None = None
+    next_chunk_index: int = -1  # the chunk whose size next_chunk_frames holds (scheduler's memo)
+    next_chunk_frames: int = 0
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -32,6 +32,9 @@ from engine.plan import (
 )
 from engine.request import Request, RequestStatus, Segment
 
+_HOLDS_KV = frozenset((RequestStatus.PREFILLING, RequestStatus.DECODING))
+_FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it end a request
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -212,7 +215,7 @@ class Scheduler:
             r.frames_launched += c.num_frames
             r.chunks_emitted += 1
         plan.first_audio_now = self._first_audio_now(plan)
-        plan.audio_in_flight = any(r.frames_in_flight for r in self.requests.values())
+        plan.audio_in_flight = any(r.frames_launched != r.frames_decoded for r in self.requests.values())
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
@@ -227,22 +230,23 @@ class Scheduler:
         def out_for(r: Request) -> RequestOutput:
             return outs.setdefault(r.request_id, RequestOutput(r.request_id))
 
+        requests = self.requests
         for chunk in plan.prefill:
-            r = self._live(chunk.request_id)
-            if r is not None and r.current is not None:
+            r = requests.get(chunk.request_id)
+            if r is not None and r.status < _FINISHED and r.current is not None:
                 r.current.prefilled += chunk.length
                 self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
         for row in plan.decode:
-            r = self._live(row.request_id)
-            if r is not None and r.current is not None:
+            r = requests.get(row.request_id)
+            if r is not None and r.status < _FINISHED and r.current is not None:
                 r.current.prefilled += 1
                 self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
         rows = plan.sampling_rows
         if len(output.codes) != len(rows):
             raise ValueError(f"runner returned {len(output.codes)} frames for {len(rows)} rows")
         for rid, codes in zip(rows, output.codes, strict=True):
-            r = self._live(rid)
-            if r is not None:
+            r = requests.get(rid)
+            if r is not None and r.status < _FINISHED:
                 self._append_frame(r, codes, out_for)
         for f in plan.first_audio_now:  # a first frame decoded in its own step (none when it was EOS)
             r = self._live(f.request_id)
@@ -383,7 +387,9 @@ class Scheduler:
             r.kv_slot = None
 
     def _segment_cap(self, seg: Segment) -> int:
-        return max(1, min(seg.max_frames, self.kv.layout.max_len - seg.prompt_len))
+        if not seg.cap:  # the prompt's length is known once the segment runs
+            seg.cap = max(1, min(seg.max_frames, self.kv.layout.max_len - seg.prompt_len))
+        return seg.cap
 
     def _append_frame(
         self, r: Request, codes: list[int], out_for: Callable[[Request], RequestOutput]
@@ -443,18 +449,19 @@ class Scheduler:
             target = self._targets[key] = self._snap(chunk_frames(schedule, index))
         return target
 
-    def _codec_frames(self, r: Request, now: float, deadline: float) -> tuple[int, bool]:
+    def _codec_frames(self, r: Request, pending: int, now: float) -> tuple[int, bool]:
         """Frames of r to decode this step (0 = wait for more), and whether that is an early flush
         (below the schedule's size, because the listener's buffer runs low)."""
-        pending = r.frames_pending
-        target = self._chunk_target(r.schedule, r.chunks_emitted)
+        if r.next_chunk_index != r.chunks_emitted:  # asked per row per step: memoised on the request
+            r.next_chunk_index, r.next_chunk_frames = r.chunks_emitted, self._chunk_target(r.schedule, r.chunks_emitted)
+        target = r.next_chunk_frames
         if pending >= target:
             return target, False
-        if not r.status.holds_kv:  # no frame is coming soon: flush what is there
+        if r.status not in _HOLDS_KV:  # no frame is coming soon: flush what is there
             return self._snap(pending), False
         if r.chunks_emitted == 0:
             return 0, False
-        slack = deadline - now
+        slack = r.deadline - now
         steps = target - pending + self.config.codec_delivery_steps
         if slack < steps * self.step_time_s + self.config.safety_margin_s:
             return self._snap(pending), True
@@ -465,40 +472,48 @@ class Scheduler:
         out = []
         for rid in plan.sampling_rows:
             r = self.requests[rid]
-            fresh = r.frames_generated == 0 and r.chunks_emitted == 0 and r.codec_slot is not None
-            if fresh and self._chunk_target(r.schedule, 0) == 1:
+            if r.codes or r.chunks_emitted or r.codec_slot is None:  # not fresh (most rows)
+                continue
+            if self._chunk_target(r.schedule, 0) == 1:
                 out.append(FirstAudio(rid, r.codec_slot))
         return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
-        ready = [
-            (r.chunks_emitted > 0, r.deadline, i, r)
-            for i, r in enumerate(self.requests.values())
-            if r.codec_slot is not None and r.frames_pending > 0
-        ]
-        ready.sort()  # first chunks, then the most urgent (then the order the requests came in)
+        ready: list[tuple[bool, float, int, Request, int, bool]] = []
+        for i, r in enumerate(self.requests.values()):
+            if r.codec_slot is None:
+                continue
+            pending = len(r.codes) - r.frames_launched
+            if pending <= 0:
+                continue
+            n, is_early = self._codec_frames(r, pending, now)
+            if n:
+                ready.append((r.chunks_emitted > 0, r.deadline, i, r, n, is_early))
+        ready.sort(key=_urgency)  # first chunks, then the most urgent (then the order the requests came in)
         work: list[CodecChunk] = []
         early = 0
-        for _, deadline, _, r in ready:
+        for _, _, _, r, n, is_early in ready:
             if len(work) >= self.config.max_codec_rows:
                 break
-            n, is_early = self._codec_frames(r, now, deadline)
             if is_early:
                 if early >= self.config.max_early_codec_rows:
                     continue
                 early += 1
-            if n:
-                start = r.frames_launched
-                work.append(
-                    CodecChunk(
-                        request_id=r.request_id,
-                        codec_slot=_slot(r.codec_slot),
-                        first_frame=start,
-                        codes=r.codes[start : start + n],
-                        first_chunk=r.chunks_emitted == 0,
-                    )
+            start = r.frames_launched
+            work.append(
+                CodecChunk(
+                    request_id=r.request_id,
+                    codec_slot=_slot(r.codec_slot),
+                    first_frame=start,
+                    codes=r.codes[start : start + n],
+                    first_chunk=r.chunks_emitted == 0,
                 )
+            )
         return work
+
+
+def _urgency(entry: tuple[bool, float, int, Request, int, bool]) -> tuple[bool, float, int]:
+    return entry[0], entry[1], entry[2]
 
 
 def _slot(slot: int | None) -> int:
