@@ -118,3 +118,16 @@ class ChunkChannel:
             yield item
             if item.final:
                 return
+
+
+class LoopChunkChannel(ChunkChannel):
+    """A ChunkChannel fed on its own event loop (no thread hop, no wake-up of the loop)."""
+
+    def put(self, chunk: AudioChunk) -> None:
+        self._push(chunk)
+
+    def finish(self) -> None:
+        self._push(_END)
+
+    def fail(self, error: BaseException) -> None:
+        self._push(error)

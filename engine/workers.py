@@ -41,7 +41,7 @@ from engine.api import (
     TextSegment,
     UnknownVoice,
 )
-from engine.bridge import ChunkChannel
+from engine.bridge import LoopChunkChannel
 
 log = logging.getLogger("cadence.workers")
 
@@ -85,6 +85,7 @@ class _WorkerLoop:
         self.streams: dict[int, Any] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopped = asyncio.Event()
+        self.outbox: list[tuple[object, ...]] = []  # messages of this loop pass, sent as one batch
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -96,8 +97,21 @@ class _WorkerLoop:
         await self.stopped.wait()
         reporter.cancel()
         await self.engine.stop()
+        self._flush()
         with contextlib.suppress(OSError):
             self.send("stopped")
+
+    def post(self, *message: object) -> None:
+        """Send with the other messages of this loop pass: a step's chunks for many streams cross
+        the pipe as one pickle and one write, in the order they were posted."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.outbox.append(message)
+
+    def _flush(self) -> None:
+        if self.outbox:
+            batch, self.outbox = self.outbox, []
+            self.send("batch", batch)
 
     def send(self, *message: object) -> None:
         try:
@@ -118,7 +132,7 @@ class _WorkerLoop:
             load = self.engine.load()
             # this worker process's CPU time (all its threads): the load test turns it into a share of a core
             load.extra["worker_cpu_seconds"] = time.process_time()
-            self.send("load", load)
+            self.post("load", load)
             await asyncio.sleep(LOAD_PERIOD_S)
 
     def _handle(self, message: tuple[Any, ...]) -> None:
@@ -128,7 +142,7 @@ class _WorkerLoop:
             try:
                 stream = self.engine.open(request)
             except Exception as exc:
-                self.send("fail", rid, *error_to_wire(exc))
+                self.post("fail", rid, *error_to_wire(exc))
                 return
             self.streams[rid] = stream
             self._spawn(self._pump(rid, stream))
@@ -144,7 +158,7 @@ class _WorkerLoop:
                 else:
                     stream.cancel()
             except Exception as exc:
-                self.send("fail", args[0], *error_to_wire(exc))
+                self.post("fail", args[0], *error_to_wire(exc))
         elif op == "voice":
             self._spawn(self._register(*args))
         elif op == "stop":
@@ -158,19 +172,19 @@ class _WorkerLoop:
     async def _pump(self, rid: int, stream: Any) -> None:
         try:
             async for chunk in stream:
-                self.send("chunk", rid, chunk)
-            self.send("end", rid)
+                self.post("chunk", rid, chunk)
+            self.post("end", rid)
         except Exception as exc:
-            self.send("fail", rid, *error_to_wire(exc))
+            self.post("fail", rid, *error_to_wire(exc))
         finally:
             self.streams.pop(rid, None)
 
     async def _register(self, call_id: int, voice_id: str, audio: Any, rate: int, text: str | None) -> None:
         try:
             await self.engine.register_voice(voice_id, audio, rate, text)
-            self.send("reply", call_id, None)
+            self.post("reply", call_id, None)
         except Exception as exc:
-            self.send("reply", call_id, error_to_wire(exc))
+            self.post("reply", call_id, error_to_wire(exc))
 
 
 # -- the gateway side ---------------------------------------------------------------------------
@@ -197,7 +211,7 @@ class WorkerStream:
         self.worker = worker
         self.rid = rid
         self.request_id = request_id
-        self.channel = ChunkChannel()
+        self.channel = LoopChunkChannel()  # fed on the loop, by the pool's message handler
 
     def push(self, segment: TextSegment) -> None:
         self._send("push", self.rid, segment)
@@ -257,7 +271,7 @@ class WorkerPoolEngine:
         self._rids = itertools.count(1)
         self._calls = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
-        self._channels: dict[int, ChunkChannel] = {}
+        self._channels: dict[int, LoopChunkChannel] = {}
         self._voices: dict[str, tuple[npt.NDArray[np.float32], int, str | None]] = {}
         self._ready: dict[int, asyncio.Future[EngineInfo]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,7 +340,10 @@ class WorkerPoolEngine:
 
     def _on_message(self, worker: _Worker, message: tuple[Any, ...]) -> None:
         op, *args = message
-        if op == "chunk":
+        if op == "batch":
+            for item in args[0]:
+                self._on_message(worker, item)
+        elif op == "chunk":
             channel = self._channels.get(args[0])
             if channel is not None:
                 channel.put(args[1])

@@ -139,3 +139,36 @@ async def test_a_dying_worker_fails_only_its_own_requests() -> None:
         assert chunks[-1].final
     finally:
         await pool.stop()
+
+
+async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_as_one_batch_in_order() -> None:
+    from engine.workers import WorkerPoolEngine, _Worker, _WorkerLoop
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list[tuple[object, ...]] = []
+
+        def send(self, message: tuple[object, ...]) -> None:
+            self.sent.append(message)
+
+    pipe = Pipe()
+    loop = _WorkerLoop(pipe, WorkerSpec(lambda: None))  # type: ignore[arg-type]
+    chunks = [AudioChunk(f"u{i % 3}", np.zeros(8, np.float32), 8 * i) for i in range(9)]
+    for i, c in enumerate(chunks):
+        loop.post("chunk", i % 3, c)
+    loop.post("end", 0)
+    assert pipe.sent == []  # nothing leaves before the loop pass ends
+    await asyncio.sleep(0)
+    assert len(pipe.sent) == 1 and pipe.sent[0][0] == "batch"
+    batch = pipe.sent[0][1]
+    assert [m[0] for m in batch] == ["chunk"] * 9 + ["end"]
+    assert [m[2].sample_offset for m in batch[:9]] == [c.sample_offset for c in chunks]
+
+    # the gateway side takes a batch apart in order
+    pool = WorkerPoolEngine([WorkerSpec(lambda: None)])  # type: ignore[arg-type]
+    from engine.bridge import LoopChunkChannel
+
+    channel = LoopChunkChannel()
+    pool._channels[0] = channel
+    pool._on_message(_Worker(0, None, None, 1), pipe.sent[0])  # type: ignore[arg-type]
+    assert [c.sample_offset async for c in channel] == [0, 24, 48]
