@@ -306,7 +306,8 @@ class Qwen3Engine:
             extra.update(self.runner.codec_states.stats())
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
         extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
-        extra["step_time_ms"] = 1000 * self.scheduler.step_time_s
+        extra["step_time_ms"] = 1000 * self.scheduler.step_time_s  # step to step
+        extra["step_busy_ms"] = 1000 * self.scheduler.step_busy_s  # planning to results
         if self.runner.device.type == "cuda":
             extra["gpu_memory_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.runner.device))
             extra["gpu_memory_bytes"] = float(torch.cuda.memory_allocated(self.runner.device))

@@ -32,6 +32,7 @@ from engine.plan import (
 )
 from engine.request import Request, RequestStatus, Segment
 
+IDLE_GAP_S = 1.0  # a longer wait between two steps is an idle engine, not a step
 _HOLDS_KV = frozenset((RequestStatus.PREFILLING, RequestStatus.DECODING))
 _FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it end a request
 
@@ -87,7 +88,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # status WAITING, ordered at each schedule()
         self.running: list[Request] = []  # PREFILLING / DECODING (hold a talker slot)
-        self.step_time_s = 0.02  # running mean of the step duration (deadline estimates)
+        # running means: the time from one step to the next (frames come once a step: the deadline
+        # estimates), and the part of it from planning to the step's results
+        self.step_time_s = 0.02
+        self.step_busy_s = 0.02
         self._step = 0
         self._freed_kv: list[int] = []
         self._codec_resets: list[int] = []
@@ -150,6 +154,8 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         now = self.clock()
+        if self._last_schedule is not None and now - self._last_schedule < IDLE_GAP_S:
+            self.step_time_s += 0.1 * (now - self._last_schedule - self.step_time_s)
         self._last_schedule = now
         self._step += 1
         plan = StepPlan(step=self._step)
@@ -224,7 +230,7 @@ class Scheduler:
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         now = self.clock()
         if self._last_schedule is not None:
-            self.step_time_s = 0.9 * self.step_time_s + 0.1 * max(0.0, now - self._last_schedule)
+            self.step_busy_s += 0.1 * (max(0.0, now - self._last_schedule) - self.step_busy_s)
         outs: dict[str, RequestOutput] = {}
 
         def out_for(r: Request) -> RequestOutput:

@@ -273,6 +273,44 @@ def test_codec_emits_early_when_the_listeners_buffer_runs_low():
     assert sum(sizes) == 60
 
 
+def _sizes_with_host_gap(busy: float, gap: float, steps: int) -> list[int]:
+    """Chunk sizes when each step takes `busy` from planning to results and `gap` more before the
+    next step is planned (host work outside the step): frames come once per busy + gap."""
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, safety_margin_s=0.1)
+    (r,) = create_requests(1, prompt_len=3, max_frames=60)
+    sched.add_request(r)
+    sizes, late = [], 0
+    for _ in range(steps):
+        plan = sched.schedule()
+        sizes += [c.num_frames for c in plan.codec] + [1] * len(plan.first_audio_now)
+        clock.t += busy
+        sched.update(plan, fake_output(plan))
+        if r.first_audio_time is not None and not r.is_finished:
+            late += clock.t > r.deadline  # the listener ran dry
+        clock.t += gap
+    assert late == 0
+    assert sched.step_time_s == pytest.approx(busy + gap, rel=0.05)
+    assert sched.step_busy_s == pytest.approx(busy, rel=0.05)
+    return sizes
+
+
+def test_deadlines_count_the_time_between_steps_not_only_the_step():
+    # 70 ms from one frame to the next, of which 20 ms is the step: the buffer allows no growth
+    assert max(_sizes_with_host_gap(0.02, 0.05, 80)) <= 2
+    # the same frames every 20 ms: the schedule grows
+    assert max(_sizes_with_host_gap(0.02, 0.0, 80)) == 25
+
+
+def test_an_idle_engine_does_not_count_as_a_slow_step():
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock)
+    run_steps(sched, 80, clock, dt=0.03)
+    clock.t += 30.0  # nothing to do for half a minute
+    run_steps(sched, 1, clock, dt=0.03)
+    assert sched.step_time_s == pytest.approx(0.03, rel=0.01)
+
+
 def test_first_chunks_go_before_later_ones():
     clock = FakeClock()
     sched = create_scheduler(clock=clock, max_codec_rows=1)
