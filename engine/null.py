@@ -1,18 +1,26 @@
 """A null engine: a constant tone in real time, 20 ms chunks, with estimated word timings.
 
 For measuring the gateway alone (fan-out, pacing, packet lag) without any synthesis cost. It runs
-in the event loop: one shared ticker serves every stream (no thread and no timer per stream), and
-each stream's audio is planned from its text (English ~14 chars/s, CJK ~4.5 chars/s) or forced
-to `forced_frames`.
+in the event loop: one timer serves every stream (no thread and no timer per stream), and each
+stream's audio is planned from its text (English ~14 chars/s, CJK ~4.5 chars/s) or forced to
+`forced_frames`.
+
+Phase: by default every stream is on one 20 ms grid, so all streams' chunks of a tick come in one
+burst (the worst case for the gateway's jitter, and what a batched engine step looks like).
+`phase="stream"` starts each stream's clock when its text comes instead, so streams opened at
+different moments produce their chunks at different moments, like independent real-time sources.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import re
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -28,11 +36,14 @@ from engine.api import (
     TextSegment,
     WordTiming,
 )
-from engine.bridge import ChunkChannel
 
 SAMPLE_RATE = 24_000
 CHUNK_SAMPLES = 480  # 20 ms
 TICK_S = CHUNK_SAMPLES / SAMPLE_RATE
+# a timer may fire this much early (the loop clock's granularity: 1 ms under uvloop); on the shared
+# grid, anything within half a tick counts as the tick
+_SLACK_S = {"stream": 0.001, "shared": TICK_S / 2}
+Phase = Literal["stream", "shared"]
 SAMPLES_PER_FRAME = 1_920
 LATIN_CHARS_PER_S = 14.0
 CJK_CHARS_PER_S = 4.5
@@ -76,23 +87,73 @@ def estimate_words(segment: TextSegment, start_sample: int) -> tuple[list[WordTi
     return words, cursor - start_sample
 
 
-class _LoopChannel(ChunkChannel):
-    """A ChunkChannel fed from the event loop itself (no thread hop, no self-pipe wake-up)."""
+_END = None  # in a channel: the end of the chunks
+
+
+class _LoopChannel:
+    """One stream's chunks, fed from the event loop itself (no thread hop, no self-pipe wake-up),
+    and iterated without a generator: `__anext__` hands out a future, already done when a chunk
+    waits. Like engine.bridge.ChunkChannel: unbounded; `close()` drops what is queued and ends the
+    iteration; an error ends it by raising."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: deque[AudioChunk | BaseException | None] = deque()
+        self._waiter: asyncio.Future[AudioChunk] | None = None
+        self._closed = False  # the consumer gave up: nothing more is queued
+        self._ended = False  # the end (or an error) was handed out
 
     def put(self, chunk: AudioChunk) -> None:
         self._push(chunk)
 
+    def fail(self, error: BaseException) -> None:
+        self._push(error)
 
-@dataclass(slots=True)
-class _Clock:
-    next_due: float = 0.0  # loop time of the next chunk
-    running: bool = False  # False while starved of text: the clock restarts when text comes
+    def close(self) -> None:
+        self._items.clear()
+        self._push(_END)
+        self._closed = True
+
+    def _push(self, item: AudioChunk | BaseException | None) -> None:
+        if self._closed:
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            self._hand(waiter, item)
+        else:
+            self._items.append(item)
+
+    def _hand(self, future: asyncio.Future[AudioChunk], item: AudioChunk | BaseException | None) -> None:
+        if isinstance(item, AudioChunk):
+            self._ended = item.final
+            future.set_result(item)
+            return
+        self._ended = True
+        if item is None:
+            future.set_exception(StopAsyncIteration())
+        else:
+            future.set_exception(item if isinstance(item, EngineError) else EngineError(str(item)))
+
+    def __aiter__(self) -> _LoopChannel:
+        return self
+
+    def __anext__(self) -> asyncio.Future[AudioChunk]:
+        if self._ended:
+            raise StopAsyncIteration
+        future = self._loop.create_future()
+        if self._items:
+            self._hand(future, self._items.popleft())
+        else:
+            self._waiter = future
+        return future
 
 
 class NullStream:
-    def __init__(self, engine: NullEngine, request: SynthesisRequest) -> None:
+    def __init__(self, engine: NullEngine, request: SynthesisRequest, order: int) -> None:
         self.request_id = request.request_id
         self._engine = engine
+        self.order = order  # the tie-break among streams due at the same moment: open order
         frames = request.forced_frames
         self._forced = frames * SAMPLES_PER_FRAME if frames else None
         self._channel = _LoopChannel()
@@ -100,7 +161,10 @@ class NullStream:
         self._sent = 0
         self._words: list[WordTiming] = []  # planned, not yet sent
         self._text_closed = False
-        self._clock = _Clock()
+        # the clock: chunk `_tick` is due at `_base + _tick * TICK_S`; None while starved of text
+        # (it restarts in real time when text comes)
+        self._base = 0.0
+        self._tick: int | None = None
         self.done = False
 
     # -- SynthesisStream -----------------------------------------------------------------------
@@ -110,11 +174,13 @@ class NullStream:
         words, length = estimate_words(segment, self._planned)
         self._words.extend(words)
         self._planned += length
+        self._engine._wake(self)
 
     def close_text(self) -> None:
         self._text_closed = True
         if self._forced is not None:
             self._planned = self._forced
+        self._engine._wake(self)
 
     def cancel(self) -> None:
         self.done = True
@@ -124,24 +190,29 @@ class NullStream:
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()
 
-    # -- the ticker ----------------------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        """Emit every chunk that is due by `now`."""
+    # -- the clock -----------------------------------------------------------------------------
+    def due(self) -> float:
+        """Loop time of the next chunk (only while the clock runs)."""
+        assert self._tick is not None
+        return self._base + self._tick * TICK_S
+
+    def tick(self, horizon: float) -> bool:
+        """Emit every chunk that is due by `horizon`; True when the clock runs on (due again)."""
         limit = self._planned if self._forced is None else min(self._planned, self._forced)
-        while not self.done and self._sent < limit:
-            if not self._clock.running:
-                self._clock.running, self._clock.next_due = True, now
-            if self._clock.next_due > now + TICK_S / 2:  # a tick may wake a hair early
-                return
+        assert self._tick is not None
+        while self._sent < limit and self._base + self._tick * TICK_S <= horizon:
             count = limit - self._sent
             self._emit(_TONE if count >= CHUNK_SAMPLES else _TONE[:count], limit)
-            self._clock.next_due += TICK_S
-        if self._text_closed and self._sent >= limit and not self.done:
+            self._tick += 1
+        if self._text_closed and self._sent >= limit:
             self._channel.put(AudioChunk(self.request_id, _TONE[:0], self._sent, final=True))
             self.done = True
             self._engine._streams.pop(self, None)
-        elif self._clock.running and self._clock.next_due <= now + TICK_S / 2:
-            self._clock.running = False  # starved: restart in real time when text comes
+            return False
+        if self._sent >= limit and self._base + self._tick * TICK_S <= horizon:
+            self._tick = None  # starved: restart in real time when text comes
+            return False
+        return True
 
     def _emit(self, samples: npt.NDArray[np.float32], limit: int) -> None:
         end = self._sent + len(samples)
@@ -167,7 +238,7 @@ def _clip(word: WordTiming, limit: int) -> WordTiming:
 class NullEngine:
     """engine.api.Engine that costs nothing but the gateway's own work."""
 
-    def __init__(self, max_streams: int = 100_000, queue_limit: int = 0) -> None:
+    def __init__(self, max_streams: int = 100_000, queue_limit: int = 0, phase: Phase = "shared") -> None:
         self.info = EngineInfo(
             name="null",
             model="constant tone",
@@ -178,27 +249,33 @@ class NullEngine:
         )
         self.max_streams = max_streams
         self.queue_limit = queue_limit
-        # open order, kept as streams come and go (a set's order changes as it grows): every tick
-        # serves the streams in the same order, so none moves back and forth within a tick
-        self._streams: dict[NullStream, None] = {}
-        self._ticker: asyncio.Task[None] | None = None
+        self.phase: Phase = phase
+        self._slack = _SLACK_S[phase]
+        self._streams: dict[NullStream, None] = {}  # open, in open order
+        self._order = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._epoch = 0.0  # the shared grid's tick 0 (phase "shared")
+        # clocks that run, by when they are due: (due, open order, stream); ONE timer for the earliest
+        self._due: list[tuple[float, int, NullStream]] = []
+        self._scheduled: set[NullStream] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     async def start(self) -> None:
-        if self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._epoch = self._loop.time()
 
     async def stop(self) -> None:
         for stream in list(self._streams):
             stream.done = True
             stream._channel.fail(EngineError("engine stopped"))
         self._streams.clear()
-        if self._ticker is not None:
-            self._ticker.cancel()
-            try:
-                await self._ticker
-            except asyncio.CancelledError:
-                pass
-            self._ticker = None
+        self._due.clear()
+        self._scheduled.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at, self._loop = None, math.inf, None
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -206,17 +283,17 @@ class NullEngine:
             queued=0,
             capacity=self.max_streams,
             queue_limit=self.queue_limit,
-            ready=self._ticker is not None,
+            ready=self._loop is not None,
         )
 
     def open(self, request: SynthesisRequest) -> NullStream:
-        if self._ticker is None:
+        if self._loop is None:
             raise EngineError("null engine is not running")
         if request.ref_audio is not None:
             raise InvalidRequest("the null engine cannot clone voices")
         if len(self._streams) >= self.max_streams + self.queue_limit:
             raise Overloaded(retry_after_s=0.5)
-        stream = NullStream(self, request)
+        stream = NullStream(self, request, next(self._order))
         self._streams[stream] = None
         return stream
 
@@ -225,15 +302,48 @@ class NullEngine:
     ) -> None:
         raise InvalidRequest("the null engine cannot clone voices")
 
-    async def _tick_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_tick = loop.time()
-        while True:
-            now = loop.time()
-            for stream in list(self._streams):
-                stream.tick(now)
-            next_tick += TICK_S
-            if next_tick < now:  # late by whole ticks: skip them, keeping the phase (a stream
-                # emits all it owes at the next one; a shifted phase would shift every stream)
-                next_tick += math.ceil((now - next_tick) / TICK_S) * TICK_S
-            await asyncio.sleep(max(0.0, next_tick - loop.time()))
+    # -- the clocks ----------------------------------------------------------------------------
+    def _wake(self, stream: NullStream) -> None:
+        """Text came: a stream whose clock stopped starts it now (its own phase), or at the next
+        tick of the shared grid."""
+        if stream.done or stream in self._scheduled or self._loop is None:
+            return
+        if stream._tick is None:
+            now = self._loop.time()
+            if self.phase == "shared":
+                stream._base, stream._tick = self._epoch, math.ceil((now - self._epoch) / TICK_S - 1e-9)
+            else:
+                stream._base, stream._tick = now, 0
+        self._schedule(stream)
+
+    def _schedule(self, stream: NullStream) -> None:
+        due = stream.due()
+        heapq.heappush(self._due, (due, stream.order, stream))
+        self._scheduled.add(stream)
+        if due < self._timer_at:
+            self._arm(due)
+
+    def _arm(self, at: float) -> None:
+        assert self._loop is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = self._loop.call_at(at, self._on_timer), at
+
+    def _on_timer(self) -> None:
+        """Serve every stream due by now, in (due, open order); a stream late by several chunks
+        (a stalled loop) emits them all at once and keeps its phase."""
+        assert self._loop is not None
+        self._timer, self._timer_at = None, math.inf
+        horizon = self._loop.time() + self._slack
+        due, scheduled = self._due, self._scheduled
+        again: list[NullStream] = []
+        while due and due[0][0] <= horizon:
+            stream = heapq.heappop(due)[2]
+            scheduled.discard(stream)
+            if not stream.done and stream.tick(horizon):
+                again.append(stream)
+        for stream in again:  # after the loop: a stream served now is not served twice
+            heapq.heappush(due, (stream.due(), stream.order, stream))
+            scheduled.add(stream)
+        if due:
+            self._arm(due[0][0])

@@ -12,6 +12,11 @@ machine the client costs little of the CPU it shares with the gateway; `--client
 the websockets library instead. Each level records the gateway process's CPU use (% of one core).
 `--repeat` runs every level several times and reports the median p99.
 
+The null engine puts every stream on one 20 ms grid (`--null-phase shared`): all streams' packets
+of a tick come in one burst, and a stream's lag moves with its place in it (the worst case).
+`--null-phase stream` starts each stream's clock when its text comes instead, so the streams'
+packets are spread over the 20 ms like those of independent real-time sources.
+
     .venv/bin/python -m scripts.bench_fanout --counts 25,50,100,200,400,800 -o deploy/bench/fanout-null.json
 """
 
@@ -323,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="audio per stream")
     parser.add_argument("--ramp-seconds", type=float, default=1.0, help="spread the stream starts over this")
     parser.add_argument("--pacing", choices=("realtime", "asap"), default="realtime")
+    parser.add_argument("--null-phase", choices=("shared", "stream"), default="shared",
+                        help="all streams on one 20 ms grid, or each on its own clock")
     parser.add_argument("--limit-ms", type=float, default=10.0, help="p99 lag limit")
     parser.add_argument("--client", choices=("raw", "websockets"), default="raw")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes (not the gateway's)")
@@ -338,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "engine": "null",
             "pacing": args.pacing,
+            "null_phase": args.null_phase,
             "seconds_per_stream": args.seconds,
             "limit_p99_lag_ms": args.limit_ms,
             "client": args.client,
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     record["timer_lateness_ms"] = asyncio.run(timer_jitter_ms())
     print(f"noise floor: a 20 ms asyncio timer fires late by {record['timer_lateness_ms']} ms (p50, p99)")
-    with gateway_child("null") as gateway, mp.get_context("spawn").Pool(args.client_procs) as pool:
+    with gateway_child("null", phase=args.null_phase) as gateway, mp.get_context("spawn").Pool(args.client_procs) as pool:
         for streams in counts:
             runs = []
             for _ in range(args.repeat):

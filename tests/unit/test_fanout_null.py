@@ -1,16 +1,18 @@
-"""The null engine's ticker keeps its phase through a stall: every stream's chunks stay on the grid
+"""The null engine's clocks keep their phase through a stall: every stream's chunks stay on the grid
 they started on (a shifted phase would move every stream's packets by up to a tick, which the
-fan-out bench would count as gateway lag), and the stall's chunks come all at once at the next tick."""
+fan-out bench would count as gateway lag), and the stall's chunks come all at once at the next tick.
+Each stream's clock starts when its text comes (phase "stream"), or on one grid for all ("shared")."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 import numpy as np
 import pytest
 
-from engine.api import SynthesisRequest, TextSegment
+from engine.api import EngineError, SynthesisRequest, TextSegment
 from engine.null import TICK_S, NullEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -43,7 +45,7 @@ async def test_the_ticker_keeps_its_phase_through_a_stall() -> None:
 
 
 async def test_every_tick_serves_the_streams_in_the_order_they_opened() -> None:
-    engine = NullEngine()
+    engine = NullEngine(phase="shared")
     await engine.start()
     order: list[str] = []
     try:
@@ -68,3 +70,59 @@ async def test_every_tick_serves_the_streams_in_the_order_they_opened() -> None:
     expected = [s.request_id for s in live]
     rounds = [order[i : i + len(expected)] for i in range(0, len(order) - len(expected) + 1, len(expected))]
     assert rounds and all(r == expected for r in rounds)
+
+
+async def _phase_gap_ms(engine: NullEngine, gap_s: float) -> tuple[float, float]:
+    """Two streams whose text comes about `gap_s` apart: (how far apart their chunks fall within a
+    tick, how far apart their texts came within a tick), in ms."""
+    loop = asyncio.get_running_loop()
+    pushed = [0.0, 0.0]
+    times: list[list[float]] = [[], []]
+
+    async def consume(index: int) -> None:
+        stream = engine.open(SynthesisRequest(f"r{index}", forced_frames=5))  # 400 ms: 20 chunks
+        pushed[index] = loop.time()
+        stream.push(TextSegment("word " * 10, 0))
+        stream.close_text()
+        times[index] = [loop.time() async for _ in stream][:-1]  # the final (empty) chunk aside
+
+    first = asyncio.create_task(consume(0))
+    await asyncio.sleep(gap_s)
+    await asyncio.gather(first, consume(1))
+    phases = [float(np.median([(t - pushed[0]) % TICK_S for t in ts])) for ts in times]
+    return _ms_apart(phases[1] - phases[0]), _ms_apart(pushed[1] - pushed[0])
+
+
+def _ms_apart(delta: float) -> float:
+    gap = delta % TICK_S
+    return 1000.0 * min(gap, TICK_S - gap)
+
+
+@pytest.mark.parametrize("phase", ["stream", "shared"])
+async def test_a_streams_clock_starts_when_its_text_comes_unless_the_phase_is_shared(
+    phase: Literal["stream", "shared"],
+) -> None:
+    engine = NullEngine(phase=phase)
+    await engine.start()
+    try:
+        chunks_apart, texts_apart = await _phase_gap_ms(engine, 0.047)  # about 2 ticks and 7 ms
+    finally:
+        await engine.stop()
+    assert texts_apart > 4.0
+    expected = texts_apart if phase == "stream" else 0.0
+    assert abs(chunks_apart - expected) < 2.0
+
+
+async def test_stopping_the_engine_ends_a_waiting_consumer_with_an_engine_error() -> None:
+    engine = NullEngine()
+    await engine.start()
+    stream = engine.open(SynthesisRequest("r"))  # no text: nothing comes
+
+    async def first_chunk() -> object:
+        return await anext(aiter(stream))
+
+    consumer = asyncio.create_task(first_chunk())
+    await asyncio.sleep(0.01)
+    await engine.stop()
+    with pytest.raises(EngineError, match="engine stopped"):
+        await consumer
