@@ -68,7 +68,14 @@ def test_packets_of_many_streams_are_encoded_in_one_pass_per_encoding_when_first
         calls.append(len(samples))
         return real(samples, encoding)
 
+    real_s16le = packets_module._EncodeBatch._s16le
+
+    def counting_s16le(batch: packets_module._EncodeBatch, audio: list[np.ndarray]) -> memoryview:
+        calls.append(sum(len(a) for a in audio))
+        return real_s16le(batch, audio)
+
     monkeypatch.setattr(packets_module, "encode_samples", counting)
+    monkeypatch.setattr(packets_module._EncodeBatch, "_s16le", counting_s16le)  # pcm_s16le: kept buffers
     packets, audio = _chunks_of_several_streams(rounds=3)
     assert len(packets) == 12 and not calls  # nothing encoded while the packets are made
     last_read = packets[-1].frame  # the first read encodes them all: one call per encoding
@@ -95,3 +102,19 @@ def test_packets_never_read_do_not_pile_up() -> None:
     assert len(packets_module._BATCH.pending) <= limit
     assert made[0].frame == _expected_frame(made[0], np.tile(tone, limit + 10), "pcm_s16le")
     assert made[-1].frame == _expected_frame(made[-1], np.tile(tone, limit + 10), "pcm_s16le")
+
+
+def test_pcm_s16le_passes_reuse_their_buffers_and_frames_stay_their_own() -> None:
+    packets_module._BATCH.flush()
+    rng = np.random.default_rng(3)
+    packetiser = Packetiser(5, OutputFormat(), 24000)
+    audio = (rng.standard_normal(480 * 60) * 0.8).astype(np.float32)
+    audio[:4] = [1.5, -1.5, 0.999, -0.999]  # clipped, and near the edges
+    first = [packetiser.push(audio[i * 480 : (i + 1) * 480])[0] for i in range(40)]
+    first_frames = [p.frame for p in first]  # one pass of 40 packets
+    buffer = packets_module._BATCH._int16
+    second = [packetiser.push(audio[i * 480 : (i + 1) * 480])[0] for i in range(40, 60)]
+    second_frames = [p.frame for p in second]  # a smaller pass: the same buffers, overwritten
+    assert packets_module._BATCH._int16 is buffer
+    for packet, frame in zip(first + second, first_frames + second_frames, strict=True):
+        assert frame == packet.frame == _expected_frame(packet, audio, "pcm_s16le")
