@@ -132,7 +132,12 @@ class Status(enum.Enum):
 
     @property
     def active(self) -> bool:
-        return self in (Status.OPEN, Status.TEXT_CLOSED, Status.GENERATED)
+        return self in _ACTIVE
+
+
+# module constants: an enum member looked up through its class costs a dictionary walk per packet
+_ACTIVE: tuple[Status, ...] = (Status.OPEN, Status.TEXT_CLOSED, Status.GENERATED)
+_RECEIVING: tuple[Status, ...] = (Status.OPEN, Status.TEXT_CLOSED)  # taking engine audio
 
 
 @dataclass(slots=True)
@@ -284,7 +289,7 @@ class SessionProtocol:
 
     def receive_chunk(self, utterance_id: str, chunk: AudioChunk) -> list[Action]:
         utt = self._active.get(utterance_id)
-        if utt is None or utt.status not in (Status.OPEN, Status.TEXT_CLOSED):
+        if utt is None or utt.status not in _RECEIVING:
             return []  # after the fence, or after the last packet: dropped
         out: list[Action] = []
         if chunk.words:
@@ -315,7 +320,7 @@ class SessionProtocol:
     def stream_ended(self, utterance_id: str) -> list[Action]:
         """The engine's iteration ended; finish the utterance if no final chunk came."""
         utt = self._active.get(utterance_id)
-        if utt is None or utt.status not in (Status.OPEN, Status.TEXT_CLOSED):
+        if utt is None or utt.status not in _RECEIVING:
             return []
         out: list[Action] = [SendAudio(utt.stream, p) for p in utt.packetiser.push(np.zeros(0, np.float32), True)]
         return out + self._generated(utt)
@@ -331,11 +336,12 @@ class SessionProtocol:
 
     def packet_sent(self, stream: int, packet: Packet, now: float) -> list[Action]:
         utt = self._streams.get(stream)
-        if utt is None:
-            return []
-        if utt.first_sent_at is None:
-            utt.first_sent_at = now
-        utt.sent_samples = max(utt.sent_samples, packet.end_sample)
+        if utt is not None:
+            if utt.first_sent_at is None:
+                utt.first_sent_at = now
+            end = packet.sample_offset + packet.samples
+            if end > utt.sent_samples:
+                utt.sent_samples = end
         return []
 
     def trailer_sent(self, stream: int) -> list[Action]:

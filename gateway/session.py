@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -161,7 +162,8 @@ _AudioItem = tuple[int, Packet | str]
 
 class SendQueue:
     """Control messages ahead of audio; audio bounded by high/low watermarks (in items).
-    `on_news` (if given) is called whenever something is added or purged."""
+    `on_news` (if given) is called whenever something is added or purged; without it, `wait()`
+    returns on news."""
 
     def __init__(self, high: int, low: int, on_news: Callable[[], None] | None = None) -> None:
         self.high = high
@@ -171,12 +173,7 @@ class SendQueue:
         self.writable = asyncio.Event()  # producers may add audio
         self.writable.set()
         self._wake = asyncio.Event()
-        self._on_news = on_news
-
-    def _news(self) -> None:
-        self._wake.set()
-        if self._on_news is not None:
-            self._on_news()
+        self._news: Callable[[], None] = self._wake.set if on_news is None else on_news
 
     def put_control(self, item: str | _CloseItem) -> None:
         self.control.append(item)
@@ -215,7 +212,7 @@ class SendQueue:
             self.writable.set()
 
     async def wait(self, at_most_s: float | None = None) -> None:
-        """Until something is added or purged (or `at_most_s` passes)."""
+        """Until something is added or purged (or `at_most_s` passes); only without `on_news`."""
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), at_most_s)
@@ -251,7 +248,7 @@ class Session:
         self._unsendable: str | None = None  # direct path: a text frame only the ASGI path may try
         self._closing = False
         self.paced_tick: float | None = None  # the Pacer tick this session waits for
-        on_news = None if self._writer is None else self._pump_soon
+        on_news = None if self._writer is None else functools.partial(self._pacer.pump_soon, self)
         self.queue = SendQueue(config.send_queue_high, config.send_queue_low, on_news)
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
         self._send_started: float | None = None  # when the send in progress began (None: not sending)
@@ -428,9 +425,6 @@ class Session:
         if packets:
             self.metrics.packets.inc(packets)
 
-    def _pump_soon(self) -> None:
-        self._pacer.pump_soon(self)
-
     def pump(self) -> int:
         """Direct path: write every control message, then every audio item that is due, in ONE
         transport write; returns how many packets went (the caller counts them). Stops at a close
@@ -445,8 +439,12 @@ class Session:
         frames: list[bytes | str] = []
         control, audio = self.queue.control, self.queue.audio
         now = self._loop.time()
-        paced = self.protocol.pacing == "realtime"
-        packet_sent = self.protocol.packet_sent
+        protocol = self.protocol
+        paced = protocol.pacing == "realtime"
+        if paced:  # _due_at, inlined: a packet may go `lead` before it is due on its stream's clock
+            t0s, rate = self._stream_t0, protocol.output.sample_rate
+            horizon = now + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
+        packet_sent = protocol.packet_sent
         packets = 0
         while True:
             while control and not isinstance(control[0], _CloseItem):
@@ -462,12 +460,12 @@ class Session:
                 self._execute(self.protocol.trailer_sent(stream))
                 continue
             assert isinstance(item, Packet)
-            if paced:
+            if paced and (t0 := t0s.get(stream)) is not None and t0 + item.sample_offset / rate > horizon:
                 due = self._due_at(stream, item)
-                if due is not None and due - now > _CLOCK_SLACK_S:
-                    if self.paced_tick is None or self.paced_tick > due:
-                        self.paced_tick = self._pacer.wake_at(self, due)
-                    break
+                assert due is not None
+                if self.paced_tick is None or self.paced_tick > due:
+                    self.paced_tick = self._pacer.wake_at(self, due)
+                break
             audio.popleft()
             frames.append(item.frame)
             packets += 1
@@ -524,12 +522,17 @@ class Session:
 
     # -- engine pulls -------------------------------------------------------------------------
     async def _pull(self, utterance_id: str, stream: SynthesisStream) -> None:
-        writable, receive_chunk = self.queue.writable, self.protocol.receive_chunk
+        writable, receive_chunk, put_audio = self.queue.writable, self.protocol.receive_chunk, self.queue.put_audio
         try:
             async for chunk in stream:
                 if not writable.is_set():
                     await writable.wait()
-                self._execute(receive_chunk(utterance_id, chunk))
+                actions = receive_chunk(utterance_id, chunk)
+                for i, action in enumerate(actions):  # packets straight into the audio lane
+                    if type(action) is not SendAudio:
+                        self._execute(actions[i:])  # the rest (words, a trailer) in order
+                        break
+                    put_audio(action.stream, action.packet)
             self._execute(self.protocol.stream_ended(utterance_id))
         except asyncio.CancelledError:
             raise
