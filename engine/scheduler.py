@@ -30,8 +30,10 @@ from engine.plan import (
     StepOutput,
     StepPlan,
 )
-from engine.request import Request, RequestStatus, Segment
+from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
 
+FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # audio seconds per codec frame
+ON_SCHEDULE, EARLY, FLUSH = 0, 1, 2  # why a Code2Wav chunk has its size (Scheduler._codec_frames)
 IDLE_GAP_S = 1.0  # a longer wait between two steps is an idle engine, not a step
 _HOLDS_KV = frozenset((RequestStatus.PREFILLING, RequestStatus.DECODING))
 _FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it end a request
@@ -49,6 +51,9 @@ class SchedulerConfig:
     # low. Beyond these, late rows wait a step and grow: under overload every late stream flushing one
     # frame per step keeps Code2Wav at its least efficient shape, which keeps the streams late
     max_early_codec_rows: int = 64
+    # later chunks of one size whose group has fewer rows than this are cut down to a smaller size
+    # present in the same step, saving a Code2Wav launch (0: never)
+    merge_codec_groups_below: int = 16
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)  # allowed chunk sizes (graph buckets)
     eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
     ttfa_target_s: float = 0.025
@@ -455,23 +460,23 @@ class Scheduler:
             target = self._targets[key] = self._snap(chunk_frames(schedule, index))
         return target
 
-    def _codec_frames(self, r: Request, pending: int, now: float) -> tuple[int, bool]:
-        """Frames of r to decode this step (0 = wait for more), and whether that is an early flush
-        (below the schedule's size, because the listener's buffer runs low)."""
+    def _codec_frames(self, r: Request, pending: int, now: float) -> tuple[int, int]:
+        """Frames of r to decode this step (0 = wait for more), and why: ON_SCHEDULE (the schedule's
+        size), EARLY (smaller, because the listener's buffer runs low) or FLUSH (no frame is coming)."""
         if r.next_chunk_index != r.chunks_emitted:  # asked per row per step: memoised on the request
             r.next_chunk_index, r.next_chunk_frames = r.chunks_emitted, self._chunk_target(r.schedule, r.chunks_emitted)
         target = r.next_chunk_frames
         if pending >= target:
-            return target, False
+            return target, ON_SCHEDULE
         if r.status not in _HOLDS_KV:  # no frame is coming soon: flush what is there
-            return self._snap(pending), False
+            return self._snap(pending), FLUSH
         if r.chunks_emitted == 0:
-            return 0, False
+            return 0, ON_SCHEDULE
         slack = r.deadline - now
         steps = target - pending + self.config.codec_delivery_steps
         if slack < steps * self.step_time_s + self.config.safety_margin_s:
-            return self._snap(pending), True
-        return 0, False
+            return self._snap(pending), EARLY
+        return 0, ON_SCHEDULE
 
     def _first_audio_now(self, plan: StepPlan) -> list[FirstAudio]:
         """Sampling rows that produce their request's first frame, when the first chunk is one frame."""
@@ -485,26 +490,31 @@ class Scheduler:
         return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
-        ready: list[tuple[bool, float, int, Request, int, bool]] = []
+        ready: list[tuple[bool, float, int, Request, int, int]] = []
         for i, r in enumerate(self.requests.values()):
             if r.codec_slot is None:
                 continue
             pending = len(r.codes) - r.frames_launched
             if pending <= 0:
                 continue
-            n, is_early = self._codec_frames(r, pending, now)
+            n, why = self._codec_frames(r, pending, now)
             if n:
-                ready.append((r.chunks_emitted > 0, r.deadline, i, r, n, is_early))
+                ready.append((r.chunks_emitted > 0, r.deadline, i, r, n, why))
         ready.sort(key=_urgency)  # first chunks, then the most urgent (then the order the requests came in)
-        work: list[CodecChunk] = []
+        chosen: list[tuple[Request, int, int]] = []
         early = 0
-        for _, _, _, r, n, is_early in ready:
-            if len(work) >= self.config.max_codec_rows:
+        for _, _, _, r, n, why in ready:
+            if len(chosen) >= self.config.max_codec_rows:
                 break
-            if is_early:
+            if why == EARLY:
                 if early >= self.config.max_early_codec_rows:
                     continue
                 early += 1
+            chosen.append((r, n, why))
+        if self.config.merge_codec_groups_below:
+            self._merge_small_groups(chosen, now)
+        work: list[CodecChunk] = []
+        for r, n, _ in chosen:
             start = r.frames_launched
             work.append(
                 CodecChunk(
@@ -517,8 +527,33 @@ class Scheduler:
             )
         return work
 
+    def _merge_small_groups(self, chosen: list[tuple[Request, int, int]], now: float) -> None:
+        """Fewer Code2Wav launches: the later chunks of one size run as one launch per size, and a
+        launch costs about the same whatever its size at small batches (an H200: 2.5 ms for 1 row x
+        1 frame, 6 ms for 64 rows). A group of fewer than `merge_codec_groups_below` chunks is cut
+        down to the next smaller size present in the step when every row of it can wait: after the
+        smaller chunk its listener still holds the safety margin and the next step. The rest of
+        their frames go in later steps. First chunks and final flushes are never cut."""
+        groups: dict[int, list[int]] = {}  # frames -> indices into chosen (later chunks only)
+        for i, (r, n, _) in enumerate(chosen):
+            if r.chunks_emitted:
+                groups.setdefault(n, []).append(i)
+        wait = self.config.safety_margin_s + (1 + self.config.codec_delivery_steps) * self.step_time_s
+        for f in sorted(groups, reverse=True):
+            rows = groups[f]
+            smaller = [m for m, members in groups.items() if m < f and members]
+            if not smaller or len(rows) >= self.config.merge_codec_groups_below:
+                continue
+            m = max(smaller)
+            if any(chosen[i][2] == FLUSH or chosen[i][0].deadline + m * FRAME_S - now < wait for i in rows):
+                continue
+            for i in rows:
+                chosen[i] = (chosen[i][0], m, chosen[i][2])
+            groups[m] += rows
+            groups[f] = []
 
-def _urgency(entry: tuple[bool, float, int, Request, int, bool]) -> tuple[bool, float, int]:
+
+def _urgency(entry: tuple[bool, float, int, Request, int, int]) -> tuple[bool, float, int]:
     return entry[0], entry[1], entry[2]
 
 

@@ -477,3 +477,58 @@ def test_early_flushes_are_not_capped_at_light_load():
     sched.add_request(reqs[0])
     sizes = _codec_sizes(sched, clock, 70, dt=0.06)
     assert max(sizes) <= 2 and sum(sizes) == 60  # the one late row still flushes every step
+
+
+def _waiting_chunk(rid: str, chunk_index: int, pending: int, clock: FakeClock, buffered_s: float = 2.0):
+    """A decoding request whose next chunk is `chunk_index` of the default schedule (1, 2, 4, 8, 16,
+    25), with `pending` frames ready and `buffered_s` of audio still ahead of its listener."""
+    (r,) = create_requests(1, prompt_len=1, max_frames=500, prefix=rid)
+    r.status = RequestStatus.DECODING
+    launched = 40
+    r.codes = [[5] * 16 for _ in range(launched + pending)]
+    r.frames_launched = r.frames_decoded = launched
+    r.chunks_emitted = chunk_index
+    r.first_audio_time = clock.t + buffered_s - launched * 0.08
+    return r
+
+
+def _codec_plan(requests, clock: FakeClock, **config) -> dict[str, int]:
+    sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64, **config)
+    for slot, r in enumerate(requests):
+        r.codec_slot = slot
+        sched.requests[r.request_id] = r
+    return {c.request_id: c.num_frames for c in sched._schedule_codec(clock.t)}
+
+
+def test_a_small_group_of_on_schedule_chunks_joins_a_smaller_size_saving_a_codec_launch():
+    clock = FakeClock(10.0)
+    fours = [_waiting_chunk(f"four{i}-", 2, 4, clock) for i in range(9)]
+    eights = [_waiting_chunk(f"eight{i}-", 3, 8, clock) for i in range(3)]
+    plan = _codec_plan(fours + eights, clock)
+    assert set(plan.values()) == {4}  # one launch: the three 8-frame chunks went as 4 frames
+    assert len(plan) == 12
+    # a group as large as the limit keeps its size; so does everything with merging off
+    many = [_waiting_chunk(f"e{i}-", 3, 8, clock) for i in range(16)]
+    assert sorted(set(_codec_plan(fours + many, clock).values())) == [4, 8]
+    assert sorted(set(_codec_plan(fours + eights, clock, merge_codec_groups_below=0).values())) == [4, 8]
+
+
+def test_a_chunk_is_cut_down_only_when_its_listener_can_wait():
+    clock = FakeClock(10.0)
+    # nine listeners about to run dry, each with the one frame it has (its schedule wants 2)
+    ones = [_waiting_chunk(f"one{i}-", 1, 1, clock, buffered_s=0.0) for i in range(9)]
+    # two rows of 8 frames: one on schedule whose listener holds 2 s, one about to run dry (its
+    # schedule wants 16); after a 1-frame chunk the second would hold 80 ms, less than the margin
+    # and a step
+    relaxed = _waiting_chunk("relaxed-", 3, 8, clock, buffered_s=2.0)
+    late = _waiting_chunk("late-", 4, 8, clock, buffered_s=0.0)
+    plan = _codec_plan([*ones, relaxed], clock, safety_margin_s=0.1)
+    assert plan["relaxed-0"] == 1 and set(plan.values()) == {1}
+    plan = _codec_plan([*ones, relaxed, late], clock, safety_margin_s=0.1)
+    assert plan["late-0"] == 8 and plan["relaxed-0"] == 8  # a group moves whole or not at all
+    # a first chunk keeps its size too
+    (fresh,) = create_requests(1, prompt_len=1, prefix="fresh", arrival_time=clock.t)
+    fresh.status = RequestStatus.DECODING
+    fresh.codes = [[5] * 16, [5] * 16]
+    fresh.schedule = ChunkSchedule(first=2)
+    assert _codec_plan([*ones, fresh], clock)["fresh0"] == 2
