@@ -1,0 +1,21 @@
+"""The host-path bench (scripts/bench_worker_host.py) runs the real step loop and worker process
+with the GPU's share slept: a short run delivers audio at a step cadence no faster than that sleep."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from scripts.bench_worker_host import level
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_short_run_reports_cadence_host_time_and_cpu() -> None:
+    args = argparse.Namespace(gpu_ms=10.0, frames=20, seconds=1.0, warmup=0.5, switch_interval_ms=None)
+    row = await level(8, args)
+    assert row["streams"] == 8 and row["ideal_steps_per_s"] == 100.0
+    assert 10.0 <= row["step_interval_ms"] < 60.0  # never faster than the slept GPU share
+    assert 0 < row["host_ms_per_step"] < row["step_interval_ms"]
+    assert row["audio_s_per_s"] > 0 and row["worker_cpu_pct"] > 0
