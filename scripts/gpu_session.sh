@@ -5,8 +5,11 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 2    # end-to-end sweep through the gateway
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 3    # FP8, segment joins, prefix cache, aligner
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 4    # all of it, shortened, in one call
-#   . scripts/gpu_env.sh && scripts/gpu_session.sh 5    # two GPUs: the sweeps (1.7B, 0.6B) on one,
-#                                                         tests, prefix cache and FP8 on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 5    # two GPUs: the 1.7B sweep on one; tests,
+#                                                         prefix cache and the 0.6B sweep on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 6    # two GPUs: the 1.7B sweep to C=640 on one;
+#                                                         Code2Wav's cost per (rows, frames) and tests
+#                                                         on the other (the scheduler's cost model)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -60,5 +63,16 @@ case "${1:-}" in
      SIZE=0.6B PORT=8766 CONC="${CONC_SMALL:-1,256,512}" run 330 e2e-0.6b bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5"; exit 2 ;;
+  6)  # two GPUs: the 1.7B sweep on GPU 0; on GPU 1 every Code2Wav graph shape the engine replays
+    [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
+    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
+    export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" run 560 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 70 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     run 420 codec-shapes $PY scripts/gpu_codec_bench.py --batches 1,8,16,32,64 --frames 1,2,4,8,16,25 \
+       --dtypes bf16 --steps 10 --json "$OUTDIR/codec-shapes.json") &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6"; exit 2 ;;
 esac
