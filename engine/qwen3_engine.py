@@ -62,6 +62,7 @@ class Qwen3EngineConfig:
     max_trailing: int = 256
     kv_buckets: tuple[int, ...] = (128, 256)
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
+    merge_codec_groups_below: int = 32  # see SchedulerConfig: fewer Code2Wav launches per step (0: off)
     # rows per Code2Wav graph: the codec saturates the H200 by 64 rows x 25 frames (about 1 500
     # audio-s/s in bf16), while graphs of 512 rows would hold tens of GiB of activations
     max_codec_batch: int = 64
@@ -223,7 +224,7 @@ class Qwen3Engine:
                 max_prefill_chunk=ec.max_prefill_chunk, codec_slots=ec.max_streams,
                 queue_limit=ec.queue_limit, max_codec_rows=ec.max_batch,
                 codec_frame_buckets=ec.codec_frame_buckets, eos_code=config.talker.codec_eos_id,
-                ttfa_target_s=ec.ttfa_target_s,
+                ttfa_target_s=ec.ttfa_target_s, merge_codec_groups_below=ec.merge_codec_groups_below,
             ),
             KVCacheManager(layout),
         )

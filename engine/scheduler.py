@@ -53,7 +53,10 @@ class SchedulerConfig:
     max_early_codec_rows: int = 64
     # later chunks of one size whose group has fewer rows than this are cut down to a smaller size
     # present in the same step, saving a Code2Wav launch (0: never)
-    merge_codec_groups_below: int = 16
+    merge_codec_groups_below: int = 32
+    # a step's Code2Wav frames are held near this many times the frames the talker makes per step;
+    # chunks whose listeners can wait go in a later step (0: no limit)
+    codec_frames_over_production: float = 1.5
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)  # allowed chunk sizes (graph buckets)
     eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
     ttfa_target_s: float = 0.025
@@ -97,6 +100,7 @@ class Scheduler:
         # estimates), and the part of it from planning to the step's results
         self.step_time_s = 0.02
         self.step_busy_s = 0.02
+        self._frames_per_step = float(config.max_batch)  # running mean of frames sampled per step
         self._step = 0
         self._freed_kv: list[int] = []
         self._codec_resets: list[int] = []
@@ -253,6 +257,7 @@ class Scheduler:
                 r.current.prefilled += 1
                 self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
         rows = plan.sampling_rows
+        self._frames_per_step += 0.1 * (len(rows) - self._frames_per_step)
         if len(output.codes) != len(rows):
             raise ValueError(f"runner returned {len(output.codes)} frames for {len(rows)} rows")
         for rid, codes in zip(rows, output.codes, strict=True):
@@ -513,6 +518,8 @@ class Scheduler:
             chosen.append((r, n, why))
         if self.config.merge_codec_groups_below:
             self._merge_small_groups(chosen, now)
+        if self.config.codec_frames_over_production:
+            chosen = self._smooth(chosen, now)
         work: list[CodecChunk] = []
         for r, n, _ in chosen:
             start = r.frames_launched
@@ -526,6 +533,23 @@ class Scheduler:
                 )
             )
         return work
+
+    def _smooth(self, chosen: list[tuple[Request, int, int]], now: float) -> list[tuple[Request, int, int]]:
+        """Keep a step's Code2Wav frames near what the talker makes per step: past
+        `codec_frames_over_production` times that, chunks whose listeners can wait two more steps
+        wait (the most urgent go first: `chosen` is in urgency order). Without it, chunks that come
+        due together make a step several times longer than the others, and every stream waiting
+        for its first audio waits that long."""
+        budget = max(self.config.codec_frames_over_production * self._frames_per_step, self.config.codec_frame_buckets[-1])
+        wait = self.config.safety_margin_s + (2 + self.config.codec_delivery_steps) * self.step_time_s
+        kept, frames = [], 0
+        for r, n, why in chosen:
+            frames += n
+            if frames > budget and r.chunks_emitted and why != FLUSH and r.deadline - now >= wait:
+                frames -= n
+                continue
+            kept.append((r, n, why))
+        return kept
 
     def _merge_small_groups(self, chosen: list[tuple[Request, int, int]], now: float) -> None:
         """Fewer Code2Wav launches: the later chunks of one size run as one launch per size, and a

@@ -508,7 +508,7 @@ def test_a_small_group_of_on_schedule_chunks_joins_a_smaller_size_saving_a_codec
     assert set(plan.values()) == {4}  # one launch: the three 8-frame chunks went as 4 frames
     assert len(plan) == 12
     # a group as large as the limit keeps its size; so does everything with merging off
-    many = [_waiting_chunk(f"e{i}-", 3, 8, clock) for i in range(16)]
+    many = [_waiting_chunk(f"e{i}-", 3, 8, clock) for i in range(32)]
     assert sorted(set(_codec_plan(fours + many, clock).values())) == [4, 8]
     assert sorted(set(_codec_plan(fours + eights, clock, merge_codec_groups_below=0).values())) == [4, 8]
 
@@ -532,3 +532,19 @@ def test_a_chunk_is_cut_down_only_when_its_listener_can_wait():
     fresh.codes = [[5] * 16, [5] * 16]
     fresh.schedule = ChunkSchedule(first=2)
     assert _codec_plan([*ones, fresh], clock)["fresh0"] == 2
+
+
+def test_a_steps_codec_frames_stay_near_production_when_listeners_can_wait():
+    clock = FakeClock(10.0)
+    relaxed = [_waiting_chunk(f"calm{i}-", 5, 25, clock, buffered_s=3.0) for i in range(6)]
+    urgent = [_waiting_chunk(f"dry{i}-", 5, 25, clock, buffered_s=0.05) for i in range(2)]
+    sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64, merge_codec_groups_below=0)
+    for slot, r in enumerate(urgent + relaxed):
+        r.codec_slot = slot
+        sched.requests[r.request_id] = r
+    sched._frames_per_step = 40.0  # the talker makes 40 frames a step: at most 60 frames go now
+    plan = {c.request_id: c.num_frames for c in sched._schedule_codec(clock.t)}
+    assert "dry0-0" in plan and "dry1-0" in plan  # the listeners about to run dry go first
+    assert sum(plan.values()) <= 60 and len(plan) == 2
+    sched.config.codec_frames_over_production = 0  # no limit
+    assert len(sched._schedule_codec(clock.t)) == 8

@@ -1,0 +1,238 @@
+"""The engine at load, simulated on the CPU: the real scheduler against a GPU cost model.
+
+The real Scheduler (torch-free) plans every step. A cost model turns each plan into GPU time, the
+way the runner executes it on one CUDA stream: the talker decode graph (decode rows and one-position
+prompt chunks), longer prompt chunks, sampling + the code predictor, and Code2Wav launches, one per
+(frames, 64-row slice) group padded to its batch bucket, first chunks collected in the step, later
+ones a step after (the deferring runner). The clock moves by that GPU time plus `--host-ms` of host
+work the GPU does not overlap. Closed-loop streams take the corpus's forced lengths; each listener is
+the load test's PlaybackClock (150 ms buffer), so TTFA, RTF and underruns mean what `cadence bench`
+reports, at the engine's edge (no gateway, no network).
+
+The cost model (`--costs`, JSON) defaults to the H200 figures of deploy/bench (fourth session):
+talker and sampling per row from the end-to-end stage figures, Code2Wav per (rows, frames) from the
+codec benches, interpolated. Calibration: with the scheduler that ran the fourth session's sweep,
+`--codec-scale 1.25 --host-ms 2` (the defaults) reproduce its RTF p50/p90 within 0.04 at C=256,
+384 and 512 and its 64 ms step at 512; underruns come out lower than measured (no gateway, network
+or GPU jitter here), so compare them between policies, not with a GPU run.
+`scripts/gpu_session.sh 6` measures every Code2Wav shape for a sharper table
+(`--codec-shapes codec-shapes.json`).
+
+    .venv/bin/python -m scripts.sim_engine --streams 256,384,512 --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import random
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients.client import PlaybackClock  # noqa: E402
+from engine.api import TextSegment  # noqa: E402
+from engine.cuda_graphs import batch_buckets, bucket_for  # noqa: E402
+from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
+from engine.plan import StepOutput  # noqa: E402
+from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, Segment  # noqa: E402
+from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+CODEC_BATCH = 64
+# H200, bf16, CUDA graphs (deploy/bench): Code2Wav graph ms at 1 and 64 rows for 1, 4, 25 frames
+DEFAULT_CODEC = {"1": {"1": 2.48, "4": 2.68, "25": 3.36}, "64": {"1": 5.73, "4": 11.56, "25": 48.05}}
+
+
+@dataclass
+class Costs:
+    """GPU milliseconds of each part of a step."""
+
+    decode: tuple[float, float] = (2.5, 0.0074)  # ms = a + b * rows (talker decode graph)
+    sample: tuple[float, float] = (7.8, 0.0124)  # sampling + the 15-step code predictor
+    prefill_per_chunk: float = 1.0  # a longer prompt chunk's share of its graph
+    codec: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> frames -> ms
+
+    def codec_ms(self, rows: int, frames: int) -> float:
+        table = self.codec
+        row_keys = sorted(table)
+        lo = max([r for r in row_keys if r <= rows], default=row_keys[0])
+        hi = min([r for r in row_keys if r >= rows], default=row_keys[-1])
+        a, b = _by_frames(table[lo], frames), _by_frames(table[hi], frames)
+        return a if hi == lo else a + (b - a) * (rows - lo) / (hi - lo)
+
+
+def _by_frames(row: dict[int, float], frames: int) -> float:
+    keys = sorted(row)
+    i = bisect.bisect_left(keys, frames)
+    if i < len(keys) and keys[i] == frames:
+        return row[frames]
+    lo, hi = keys[max(0, i - 1)], keys[min(len(keys) - 1, i)]
+    return row[lo] if hi == lo else row[lo] + (row[hi] - row[lo]) * (frames - lo) / (hi - lo)
+
+
+def load_costs(path: Path | None, codec_shapes: Path | None) -> Costs:
+    costs = Costs(codec={int(r): {int(f): ms for f, ms in v.items()} for r, v in DEFAULT_CODEC.items()})
+    if path is not None:
+        data = json.loads(path.read_text())
+        costs = Costs(tuple(data["decode"]), tuple(data["sample"]), data["prefill_per_chunk"],
+                      {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()})
+    if codec_shapes is not None:  # scripts/gpu_codec_bench.py --json
+        table: dict[int, dict[int, float]] = defaultdict(dict)
+        for row in json.loads(codec_shapes.read_text()):
+            table[int(row["batch"])][int(row["frames"])] = float(row["graph_ms"])
+        costs.codec = dict(table)
+    return costs
+
+
+def codec_launches(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(rows, frames) of each Code2Wav launch for chunks of (frames,) as the runner groups them."""
+    by_frames: dict[int, int] = defaultdict(int)
+    for frames, _ in chunks:
+        by_frames[frames] += 1
+    buckets = batch_buckets(CODEC_BATCH)
+    out = []
+    for frames, rows in by_frames.items():
+        while rows > 0:
+            part = min(rows, CODEC_BATCH)
+            out.append((bucket_for(part, buckets) or part, frames))
+            rows -= part
+    return out
+
+
+class Simulation:
+    def __init__(self, args: argparse.Namespace, streams: int, costs: Costs) -> None:
+        self.args, self.costs, self.now = args, costs, 0.0
+        layout = KVCacheLayout(num_slots=streams, max_len=512, bytes_per_token=1024)
+        config = SchedulerConfig(max_batch=streams, codec_slots=streams, max_codec_rows=streams,
+                                 queue_limit=streams, max_tokens_per_step=streams + 512, codec_delivery_steps=1)
+        if args.merge_below is not None:
+            config.merge_codec_groups_below = args.merge_below
+        if args.smooth is not None:
+            config.codec_frames_over_production = args.smooth
+        self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
+        self.rng = random.Random(0)
+        rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]
+        self.lengths = [int(r["frames"]) for r in rows if r.get("frames")]
+        self.players: dict[str, tuple[PlaybackClock, float, int]] = {}  # id -> (player, opened, frames)
+        self.deferred: list[tuple[str, int]] = []  # later chunks: delivered at the next step's end
+        self.done: list[dict[str, float]] = []
+        self.launches = self.steps = 0
+        self.gpu_ms: dict[str, float] = defaultdict(float)
+        self.ids = 0
+        # the first streams come over `ramp_s` (as the load test connects them), then each that
+        # ends is replaced at once (closed loop)
+        self.starts = sorted(self.rng.uniform(0, args.ramp_s) for _ in range(streams))
+
+    def open(self) -> None:
+        rid = f"r{self.ids}"
+        self.ids += 1
+        frames = self.rng.choice(self.lengths)
+        r = Request(request_id=rid, arrival_time=self.now)
+        r.segments.append(Segment(text=TextSegment("x", char_start=0), prompt_len=self.args.prompt, max_frames=frames))
+        r.text_closed = True
+        self.sched.add_request(r)
+        self.players[rid] = (PlaybackClock(SAMPLE_RATE, self.args.buffer_ms, clock=lambda: self.now), self.now, frames)
+
+    def step(self) -> None:
+        while self.starts and self.starts[0] <= self.now:
+            self.starts.pop(0)
+            self.open()
+        if not self.sched.has_work():  # nothing yet: time passes to the next arrival
+            self.now = max(self.now, self.starts[0]) if self.starts else self.now + 0.001
+            return
+        plan = self.sched.schedule()
+        decode_rows = len(plan.decode) + sum(1 for c in plan.prefill if c.length == 1)
+        longer = sum(1 for c in plan.prefill if c.length > 1)
+        ms = {"decode": self.costs.decode[0] + self.costs.decode[1] * decode_rows if decode_rows else 0.0,
+              "prefill": self.costs.prefill_per_chunk * longer}
+        sampled = len(plan.sampling_rows)
+        ms["sample"] = self.costs.sample[0] + self.costs.sample[1] * sampled if sampled else 0.0
+        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk] + [(1, 0)] * len(plan.first_audio_now)
+        later_chunks = [(c.num_frames, 0) for c in plan.codec if not c.first_chunk]
+        launches = codec_launches(now_chunks) + codec_launches(later_chunks)
+        ms["codec"] = self.args.codec_scale * sum(self.costs.codec_ms(b, f) for b, f in launches)
+        self.launches += len(launches)
+        for k, v in ms.items():
+            self.gpu_ms[k] += v
+        self.now += (sum(ms.values()) + self.args.host_ms) / 1000
+        self.steps += 1
+        # this step's first chunks arrive now; the previous step's later chunks too
+        delivered = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk]
+        delivered += [(f.request_id, 1) for f in plan.first_audio_now]
+        delivered += self.deferred
+        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk]
+        codes = [[7] * 16 for _ in plan.sampling_rows]
+        audio = {rid: _silence(n) for rid, n in delivered}
+        for out in self.sched.update(plan, StepOutput(codes=codes, audio=audio, delivered=delivered)):
+            if out.audio is not None:
+                self.players[out.request_id][0].on_packet(len(out.audio))
+            if out.finished:
+                self.finish(out.request_id)
+
+    def finish(self, rid: str) -> None:
+        player, opened, frames = self.players.pop(rid)
+        if player.first_packet_at is not None and self.now > self.args.warmup:
+            audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
+            self.done.append({"ttfa": player.first_packet_at - opened, "rtf": (self.now - opened) / audio_s,
+                              "underrun": float(player.underruns > 0), "audio_s": audio_s})
+        self.open()
+
+    def run(self) -> dict[str, Any]:
+        while self.now < self.args.warmup + self.args.seconds:
+            self.step()
+        d = self.done
+        window = self.args.seconds
+        return {
+            "streams": len(self.players), "requests": len(d),
+            "ttfa_p50_ms": round(1000 * _pct([x["ttfa"] for x in d], 50), 1),
+            "ttfa_p90_ms": round(1000 * _pct([x["ttfa"] for x in d], 90), 1),
+            "rtf_p50": round(_pct([x["rtf"] for x in d], 50), 3), "rtf_p90": round(_pct([x["rtf"] for x in d], 90), 3),
+            "underrun_streams_pct": round(100 * statistics.fmean(x["underrun"] for x in d), 1) if d else None,
+            "audio_s_per_s": round(sum(x["audio_s"] for x in d) / window, 1),
+            "step_ms": round(1000 * self.now / self.steps, 2),
+            "codec_launches_per_step": round(self.launches / self.steps, 2),
+            **{f"gpu_ms_{k}": round(v / self.steps, 2) for k, v in self.gpu_ms.items()},
+        }
+
+
+def _silence(frames: int) -> Any:
+    return range(frames * SAMPLES_PER_FRAME)  # only its length is read
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="256,384,512")
+    ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds measured per level")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--ramp-s", type=float, default=2.0, help="the first streams arrive over this")
+    ap.add_argument("--host-ms", type=float, default=2.0, help="host work per step the GPU does not overlap")
+    ap.add_argument("--codec-scale", type=float, default=1.25,
+                    help="Code2Wav time in the engine over the isolated bench's (calibrated, see above)")
+    ap.add_argument("--prompt", type=int, default=1, help="prompt positions left after the prefix cache")
+    ap.add_argument("--buffer-ms", type=float, default=150.0)
+    ap.add_argument("--merge-below", type=int, default=None, help="the scheduler's merge_codec_groups_below")
+    ap.add_argument("--smooth", type=float, default=None, help="the scheduler's codec_frames_over_production")
+    ap.add_argument("--costs", type=Path, default=None, help="a cost model as JSON (see Costs)")
+    ap.add_argument("--codec-shapes", type=Path, default=None, help="scripts/gpu_codec_bench.py --json output")
+    args = ap.parse_args()
+    costs = load_costs(args.costs, args.codec_shapes)
+    for n in args.streams.split(","):
+        print(json.dumps(Simulation(args, int(n), costs).run()))
+
+
+if __name__ == "__main__":
+    main()
