@@ -22,6 +22,11 @@ run() {  # run SECONDS NAME COMMAND...: its output to $OUTDIR/NAME.txt, the tail
   timeout "$limit" "$@" > "$OUTDIR/$name.txt" 2>&1; echo "   exit $?"
   grep -v "━" "$OUTDIR/$name.txt" | tail -n "${TAIL:-14}"
 }
+sweep_setup() {  # the checkpoint, the reference's earlier result, the sweep's settings (parts 5 and 6)
+  [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
+  [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
+  export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
+}
 case "${1:-}" in
   1)
     run 120 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
@@ -53,9 +58,7 @@ case "${1:-}" in
     ;;
   5)  # two GPUs at once: the 1.7B sweep on GPU 0; tests, prefix cache and the 0.6B sweep on GPU 1
     # (start-up captures graphs and tunes Code2Wav for about 130 s before each sweep's first point)
-    [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
-    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
-    export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
+    sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1
      run 70 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
@@ -64,9 +67,7 @@ case "${1:-}" in
     wait
     ;;
   6)  # two GPUs: the 1.7B sweep on GPU 0; on GPU 1 every Code2Wav graph shape the engine replays
-    [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size 1.7B --out "$CKPT" --device cuda
-    [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
-    export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
+    sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" run 560 e2e bash scripts/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1
      run 70 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
