@@ -120,14 +120,66 @@ class ChunkChannel:
                 return
 
 
-class LoopChunkChannel(ChunkChannel):
-    """A ChunkChannel fed on its own event loop (no thread hop, no wake-up of the loop)."""
+_LOOP_END = None  # in a LoopChunkChannel: the end of the chunks
+
+
+class LoopChunkChannel:
+    """One stream's chunks, fed from the event loop itself (no thread hop, no self-pipe wake-up),
+    and iterated without a generator: `__anext__` hands out a future, already done when a chunk
+    waits. Like ChunkChannel: unbounded; `close()` drops what is queued and ends the
+    iteration; an error ends it by raising."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: deque[AudioChunk | BaseException | None] = deque()
+        self._waiter: asyncio.Future[AudioChunk] | None = None
+        self._closed = False  # the consumer gave up: nothing more is queued
+        self._ended = False  # the end (or an error) was handed out
 
     def put(self, chunk: AudioChunk) -> None:
         self._push(chunk)
 
     def finish(self) -> None:
-        self._push(_END)
+        self._push(_LOOP_END)
 
     def fail(self, error: BaseException) -> None:
         self._push(error)
+
+    def close(self) -> None:
+        self._items.clear()
+        self._push(_LOOP_END)
+        self._closed = True
+
+    def _push(self, item: AudioChunk | BaseException | None) -> None:
+        if self._closed:
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self._waiter = None
+            self._hand(waiter, item)
+        else:
+            self._items.append(item)
+
+    def _hand(self, future: asyncio.Future[AudioChunk], item: AudioChunk | BaseException | None) -> None:
+        if isinstance(item, AudioChunk):
+            self._ended = item.final
+            future.set_result(item)
+            return
+        self._ended = True
+        if item is None:
+            future.set_exception(StopAsyncIteration())
+        else:
+            future.set_exception(item if isinstance(item, EngineError) else EngineError(str(item)))
+
+    def __aiter__(self) -> LoopChunkChannel:
+        return self
+
+    def __anext__(self) -> asyncio.Future[AudioChunk]:
+        if self._ended:
+            raise StopAsyncIteration
+        future = self._loop.create_future()
+        if self._items:
+            self._hand(future, self._items.popleft())
+        else:
+            self._waiter = future
+        return future

@@ -18,7 +18,6 @@ import heapq
 import itertools
 import math
 import re
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -36,6 +35,7 @@ from engine.api import (
     TextSegment,
     WordTiming,
 )
+from engine.bridge import LoopChunkChannel
 
 SAMPLE_RATE = 24_000
 CHUNK_SAMPLES = 480  # 20 ms
@@ -87,66 +87,6 @@ def estimate_words(segment: TextSegment, start_sample: int) -> tuple[list[WordTi
     return words, cursor - start_sample
 
 
-_END = None  # in a channel: the end of the chunks
-
-
-class _LoopChannel:
-    """One stream's chunks, fed from the event loop itself (no thread hop, no self-pipe wake-up),
-    and iterated without a generator: `__anext__` hands out a future, already done when a chunk
-    waits. Like engine.bridge.ChunkChannel: unbounded; `close()` drops what is queued and ends the
-    iteration; an error ends it by raising."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._items: deque[AudioChunk | BaseException | None] = deque()
-        self._waiter: asyncio.Future[AudioChunk] | None = None
-        self._closed = False  # the consumer gave up: nothing more is queued
-        self._ended = False  # the end (or an error) was handed out
-
-    def put(self, chunk: AudioChunk) -> None:
-        self._push(chunk)
-
-    def fail(self, error: BaseException) -> None:
-        self._push(error)
-
-    def close(self) -> None:
-        self._items.clear()
-        self._push(_END)
-        self._closed = True
-
-    def _push(self, item: AudioChunk | BaseException | None) -> None:
-        if self._closed:
-            return
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            self._waiter = None
-            self._hand(waiter, item)
-        else:
-            self._items.append(item)
-
-    def _hand(self, future: asyncio.Future[AudioChunk], item: AudioChunk | BaseException | None) -> None:
-        if isinstance(item, AudioChunk):
-            self._ended = item.final
-            future.set_result(item)
-            return
-        self._ended = True
-        if item is None:
-            future.set_exception(StopAsyncIteration())
-        else:
-            future.set_exception(item if isinstance(item, EngineError) else EngineError(str(item)))
-
-    def __aiter__(self) -> _LoopChannel:
-        return self
-
-    def __anext__(self) -> asyncio.Future[AudioChunk]:
-        if self._ended:
-            raise StopAsyncIteration
-        future = self._loop.create_future()
-        if self._items:
-            self._hand(future, self._items.popleft())
-        else:
-            self._waiter = future
-        return future
 
 
 class NullStream:
@@ -156,7 +96,7 @@ class NullStream:
         self.order = order  # the tie-break among streams due at the same moment: open order
         frames = request.forced_frames
         self._forced = frames * SAMPLES_PER_FRAME if frames else None
-        self._channel = _LoopChannel()
+        self._channel = LoopChunkChannel()
         self._planned = 0  # samples of audio the text received so far will take
         self._sent = 0
         self._words: list[WordTiming] = []  # planned, not yet sent
