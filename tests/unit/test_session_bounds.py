@@ -34,6 +34,7 @@ def _serve(p: SessionProtocol, uid: str, chunks: int = 10, size: int = 2400) -> 
     out += p.receive_chunk(uid, AudioChunk(uid, np.zeros(0, np.float32), chunks * size, (), final=True))
     for a in out:
         if isinstance(a, SendAudio):
+            assert a.packet.frame  # the send path reads the frame: deferred payloads get encoded
             p.packet_sent(a.stream, a.packet, 0.0)
         elif isinstance(a, SendTrailer):
             p.trailer_sent(a.stream)
