@@ -148,7 +148,8 @@ def decode_packet(frame: bytes, utterance_id: str, bytes_per_sample: int, at: fl
 class PlaybackClock:
     """What a real player would have played: it starts `buffer_ms` after the first packet, runs at
     real time, never past what was received, stalls when it runs dry and resumes when audio
-    comes. A packet that arrives after the player ran dry is an underrun."""
+    comes. A packet that arrives after the player ran dry is an underrun: `first_underrun_s` is the
+    audio position of the first one, `stall_s` the total time the player sat dry."""
 
     def __init__(
         self, sample_rate: int, buffer_ms: float = 150.0, clock: Callable[[], float] = time.perf_counter
@@ -158,6 +159,8 @@ class PlaybackClock:
         self._clock = clock
         self.received = 0  # samples
         self.underruns = 0
+        self.first_underrun_s: float | None = None  # audio position (s) when it first ran dry
+        self.stall_s = 0.0
         self.first_packet_at: float | None = None
         self._anchor_at = 0.0  # playing from `_anchor_pos` at time `_anchor_at`
         self._anchor_pos = 0
@@ -169,6 +172,10 @@ class PlaybackClock:
             self._anchor_at = at + self.buffer_s
         elif at > self._anchor_at and self._position(at) >= self.received:
             self.underruns += 1  # the player ran dry before this packet came: resume from now
+            dry_at = self._anchor_at + (self.received - self._anchor_pos) / self.sample_rate
+            self.stall_s += max(0.0, at - dry_at)
+            if self.first_underrun_s is None:
+                self.first_underrun_s = self.received / self.sample_rate
             self._anchor_at, self._anchor_pos = at, self.received
         self.received += samples
 

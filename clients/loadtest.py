@@ -163,7 +163,16 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
         elif isinstance(event, Done):
             break
     return RequestRecord(
-        stream, len(prompt.text), samples / session.sample_rate, ended, first, last, clock.underruns, error
+        stream,
+        len(prompt.text),
+        samples / session.sample_rate,
+        ended,
+        first,
+        last,
+        clock.underruns,
+        error,
+        clock.first_underrun_s,
+        clock.stall_s,
     )
 
 
@@ -409,7 +418,9 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
             progress.console.print(
                 f"C={concurrency}: {point['requests']} req, TTFA p50/p90 {point['ttfa_p50_ms']}/"
                 f"{point['ttfa_p90_ms']} ms, RTF p50/p90 {point['rtf_p50']}/{point['rtf_p90']}, "
-                f"underrun {point['underrun_streams_pct']} %, {point['chars_per_s']} chars/s, "
+                f"underrun {point['underrun_streams_pct']} % ({point['underrun_in_first_s_pct']} % in "
+                f"the first s, first at p50 {point['underrun_first_s_p50']} s), stall p90/p99 "
+                f"{point['stall_ms_p90']}/{point['stall_ms_p99']} ms, {point['chars_per_s']} chars/s, "
                 f"${point['usd_per_m_chars']}/M chars, errors {point['errors']}"
             )
             stages = {k: v for k, v in point.get("engine_figures", {}).items() if k.startswith(("step_ms", "batch_"))}

@@ -12,6 +12,7 @@ PRICE_PER_HOUR_USD = 6.50  # H100 list price per hour, as in the seed
 REALTIME_RTF = 1.0
 HEADLINE_TTFA_MS = 200.0
 HEADLINE_UNDERRUN_PCT = 1.0
+EARLY_UNDERRUN_S = 1.0  # a first underrun up to this audio position counts as start-of-stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,8 @@ class RequestRecord:
     last_packet_at: float | None
     underruns: int
     error: str | None = None
+    first_underrun_s: float | None = None  # audio position of the first underrun
+    stall_s: float = 0.0  # total time the player sat dry
 
     @property
     def ok(self) -> bool:
@@ -75,6 +78,8 @@ def summarize(
     chars_per_s = sum(r.chars for r in completed) / wall
     ttfa = [r.ttfa_ms for r in good]
     rtf = [r.rtf for r in good]
+    first_underrun = [r.first_underrun_s for r in good if r.first_underrun_s is not None]
+    stall_ms = [1000.0 * r.stall_s for r in good]
     return {
         "concurrency": concurrency,
         "requests": len(good),
@@ -87,6 +92,14 @@ def summarize(
         "underrun_streams_pct": _round(100.0 * sum(r.underruns > 0 for r in good) / len(good))
         if good
         else None,
+        "underrun_first_s_p50": _round(percentile(first_underrun, 50), 3),
+        "underrun_in_first_s_pct": _round(
+            100.0 * sum(t <= EARLY_UNDERRUN_S for t in first_underrun) / len(good)
+        )
+        if good
+        else None,
+        "stall_ms_p90": _round(percentile(stall_ms, 90)),
+        "stall_ms_p99": _round(percentile(stall_ms, 99)),
         "chars_per_s": _round(chars_per_s),
         "audio_s_per_s": _round(sum(r.audio_s for r in completed) / wall, 3),
         "usd_per_m_chars": _round(usd_per_m_chars(chars_per_s, price_per_hour), 4),

@@ -44,8 +44,23 @@ def test_clock_stalls_on_underrun_and_resumes_when_audio_comes() -> None:
     assert clock.played_ms(at=0.5) == 20
     clock.on_packet(PACKET, at=0.5)  # late: an underrun, playback resumes now
     assert clock.underruns == 1
+    assert clock.first_underrun_s == pytest.approx(0.02) and clock.stall_s == pytest.approx(0.38)
     assert clock.played_ms(at=0.51) == 30
     assert clock.played_ms(at=0.6) == 40
+
+
+def test_clock_records_where_it_first_ran_dry_and_how_long_it_stalled() -> None:
+    now = 0.0
+    clock = PlaybackClock(1000, buffer_ms=125, clock=lambda: now)  # 1 sample = 1 ms; exact floats
+    # (arrival s, samples): playback starts at 0.125; dry at 0.875 (750 played), packet at 1.0;
+    # resumed at 1.0 from 750, dry again at 1.75 (1500 played), packet at 2.25
+    for at, samples in [(0.0, 500), (0.5, 250), (1.0, 250), (1.125, 500), (2.25, 250)]:
+        now = at
+        clock.on_packet(samples)
+    assert clock.underruns == 2
+    assert clock.first_underrun_s == 0.75
+    assert clock.stall_s == 0.125 + 0.5
+    assert clock.played_samples() == 1500  # at 2.25, just resumed
 
 
 def test_packets_in_time_are_no_underrun() -> None:
@@ -53,6 +68,7 @@ def test_packets_in_time_are_no_underrun() -> None:
     for i in range(100):  # real-time delivery with 30 ms of jitter: the buffer absorbs it
         clock.on_packet(PACKET, at=i * 0.02 + (0.03 if i % 7 == 3 else 0.0))
     assert clock.underruns == 0
+    assert clock.first_underrun_s is None and clock.stall_s == 0.0
     assert clock.played_ms(at=100.0) == 2000
 
 
@@ -136,6 +152,35 @@ def test_point_figures_follow_the_definitions() -> None:
     assert point["chars_per_s"] == 100.0 and point["audio_s_per_s"] == 2.5
     assert point["usd_per_m_chars"] == pytest.approx(usd_per_m_chars(100.0), abs=1e-4)
     assert usd_per_m_chars(594.0) == pytest.approx(3.04, abs=0.01)  # the Baseten anchor
+
+
+def test_point_places_underruns_and_stalls() -> None:
+    def stream(ended: float, first_underrun_s: float | None = None, stall_s: float = 0.0) -> RequestRecord:
+        underruns = 0 if first_underrun_s is None else 1
+        return RequestRecord(
+            0, 100, 2.0, ended, ended + 0.1, ended + 1.0, underruns, None, first_underrun_s, stall_s
+        )
+
+    records = [
+        stream(0.5, first_underrun_s=0.1, stall_s=5.0),  # warm-up: left out
+        stream(1.0),
+        stream(1.5, first_underrun_s=0.5, stall_s=0.2),
+        stream(2.0, first_underrun_s=3.0, stall_s=0.1),
+        stream(2.5, first_underrun_s=1.0, stall_s=0.4),  # at the 1 s mark: still start-of-stream
+        stream(3.0),
+        RequestRecord(0, 100, 0.0, 3.5, None, None, 0, error="overloaded"),
+    ]
+    point = summarize(8, records, window=(1.0, 5.0))
+    assert point["requests"] == 5 and point["underrun_streams_pct"] == 60.0
+    assert point["underrun_first_s_p50"] == 1.0  # median of 0.5, 3.0, 1.0
+    assert point["underrun_in_first_s_pct"] == 40.0  # 2 of 5 good streams
+    # stalls in ms: 0, 0, 100, 200, 400
+    assert point["stall_ms_p90"] == 320.0 and point["stall_ms_p99"] == 392.0
+    clean = summarize(8, [stream(1.0), stream(2.0)], window=(1.0, 5.0))
+    assert clean["underrun_first_s_p50"] is None and clean["underrun_in_first_s_pct"] == 0.0
+    assert clean["stall_ms_p90"] == 0.0 and clean["stall_ms_p99"] == 0.0
+    empty = summarize(8, [], window=(1.0, 5.0))
+    assert empty["underrun_in_first_s_pct"] is None and empty["stall_ms_p99"] is None
 
 
 def test_headline_is_largest_passing_concurrency() -> None:
