@@ -26,6 +26,8 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9)")
     p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
                    help="no CUDA graphs")
+    p.add_argument("--codec-overlap", action="store_true", default=_env("codec_overlap", "0") == "1",
+                   help="Code2Wav on a CUDA stream of its own, beside the next step's talker")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
     p.add_argument("--upstream", default=_env("upstream", None),
                    help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)")
@@ -67,7 +69,8 @@ def serve_main(argv: list[str]) -> int:
 
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
-        dtype=args.dtype, eager=args.eager, max_streams=args.max_streams, gpus=args.gpus,
+        dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap,
+        max_streams=args.max_streams, gpus=args.gpus,
         upstream=args.upstream, upstream_streams=args.upstream_streams,
         upstream_word_timestamps=args.upstream_word_timestamps,
     ))

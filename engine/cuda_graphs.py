@@ -36,6 +36,10 @@ class GraphBank:
         self.device = device
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._pool: object = None
+        # each bank captures on its own stream: cuBLAS keeps a workspace per stream and a graph
+        # bakes in the capturing stream's, so two banks replayed at the same time on two streams
+        # must not have been captured on one (their split-K kernels would share scratch memory)
+        self._capture_stream = torch.cuda.Stream(device) if self.enabled else None
 
     def capture(self, key: Hashable, fn: Callable[[], object], warmup: int = 1) -> None:
         if not self.enabled:
@@ -47,7 +51,7 @@ class GraphBank:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
             fn()
         if self._pool is None:
             self._pool = graph.pool()

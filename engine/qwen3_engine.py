@@ -68,6 +68,7 @@ class Qwen3EngineConfig:
     max_codec_batch: int = 64
     enforce_eager: bool = False
     defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
+    codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
     # voices' text-independent prompt prefixes kept as talker KV (engine.prefix_cache); 0 turns it off
@@ -234,7 +235,7 @@ class Qwen3Engine:
                 num_slots=layout.num_slots, max_len=ec.max_len, codec_slots=ec.max_streams,
                 max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
                 codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
-                enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec,
+                enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec, codec_overlap=ec.codec_overlap,
                 codec_state_cache_bytes=ec.codec_state_cache_bytes,
             ),
         )

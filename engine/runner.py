@@ -1,9 +1,11 @@
 """The GPU owner: turns a StepPlan into sampled frames and audio.
 
 Per step:
-  Code2Wav chunks      after sampling on the same stream (or, with codec_overlap, on their own stream);
-                       on CUDA only first chunks are collected in their step, the others by the next
-                       step, so the host plans that step while the GPU decodes them
+  Code2Wav chunks      after sampling; on CUDA only first chunks are collected in their step, the
+                       others by the next step, so the host plans that step while the GPU decodes
+                       them. With codec_overlap those others run on their own CUDA stream, beside
+                       the next step's talker, and first chunks on the talker's stream through
+                       graphs of their own (the two lanes share no static buffer or memory pool)
   talker decode rows   one CUDA graph per batch bucket (per attention-length bucket without the
                        decode kernel); one-position prompt chunks join these rows
   talker prefill       longer prompt chunks padded into a (rows, positions) bucket's graph
@@ -98,9 +100,9 @@ class RunnerConfig:
     prefill_row_buckets: tuple[int, ...] = (1, 2, 4, 8)
     prefill_len_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     enforce_eager: bool = False
-    # run Code2Wav on its own CUDA stream, overlapping the talker. Off by default: on torch 2.11 /
-    # H200, replaying the codec graphs concurrently with the talker's hung (or, sharing one pool,
-    # tripped an index assert) at batch 64; on one stream the codec is launched after sampling
+    # Code2Wav chunks after the first on their own CUDA stream, overlapping the next step's talker
+    # (CUDA; implies defer_codec). Off by default until measured at load on the H200: an earlier
+    # version hung there, its graphs all captured on one stream and so sharing cuBLAS's workspace
     codec_overlap: bool = False
     # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
     # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
@@ -112,6 +114,7 @@ class RunnerConfig:
 
 
 EAGER_CHUNK_FRAMES = 25  # frames per eager Code2Wav call when no graph fits (bounds its activations)
+FIRST_LANE_FRAMES = (1, 2)  # first-chunk sizes with graphs of their own when Code2Wav overlaps
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -170,10 +173,10 @@ class Runner:
         self.s_true = torch.ones(mb, dtype=torch.bool, device=dev)
         self._reset_static_inputs()
         # codec
-        self.codec_dummy = config.codec_slots
-        codec.init_streams(config.codec_slots + 1)
+        self.codec_dummy = config.codec_slots  # padding rows of the later-chunk lane; the first lane's: +1
+        codec.init_streams(config.codec_slots + 2)
         self.codec_batches = batch_buckets(config.max_codec_batch)
-        self._codec_io: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self._codec_io: dict[tuple[int, int, bool], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
             # Code2Wav's convolutions: cuDNN's default picks ran a 24 kHz step 1.3-1.6x slower on
@@ -184,16 +187,18 @@ class Runner:
             fused_norm.check(dev)
             fused_rope.check(dev)
         self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
+        self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
+        self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
         defer = cuda if config.defer_codec is None else config.defer_codec
-        self.defers_codec = defer and not config.codec_overlap
+        self.defers_codec = bool(defer) or self.codec_stream is not None
         self._deferred: Callable[[], tuple[dict[str, np.ndarray], list[tuple[str, int]]]] | None = None
         self.batches = batch_buckets(mb)
         self.decode_kernel = config.decode_kernel and decode_attention.available(dev)
         kv_buckets = () if self.decode_kernel else config.kv_buckets
         self.kv_buckets = sorted({k for k in kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
         self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
-        # Code2Wav graphs replay on their own stream, concurrently with the talker's: they must not
-        # share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
+        # Code2Wav graphs may replay on their own stream, concurrently with the talker's: they must
+        # not share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
@@ -236,8 +241,6 @@ class Runner:
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepOutput:
-        overlap = self.codec_stream is not None
-        collect_audio = self._launch_codec(plan.codec, plan.codec_resets) if overlap else None
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
@@ -285,11 +288,7 @@ class Runner:
             codes = [by_request[rid] for rid in plan.sampling_rows]
         first = self._first_audio_chunks(plan, codes)
         codec = plan.codec + first
-        delivered = None
-        if collect_audio is None:  # one stream: the codec's chunks go after the step's sampling
-            audio, delivered = self._run_codec(plan, first)
-        else:  # the scheduled chunks ran beside the talker; first frames follow their sampling
-            audio = collect_audio() | self._launch_codec(first, [])()
+        audio, delivered = self._run_codec(plan, first)
         if codec:
             fig.rows("batch_codec", len(codec))
             fig.rows("codec_frames", sum(c.num_frames for c in codec))
@@ -305,11 +304,20 @@ class Runner:
         collected by the next step, so the host plans it while the GPU decodes them."""
         later = [c for c in plan.codec if not c.first_chunk] if self.defers_codec else []
         now = [c for c in plan.codec if c.first_chunk] + first if self.defers_codec else plan.codec + first
-        t = self.figures.start()
-        collect_now = self._launch_codec(now, plan.codec_resets)
-        collect_later = self._launch_codec(later, [])
-        if now or later:
-            self.figures.stop("codec", t)
+        if self.codec_stream is None:
+            t = self.figures.start()
+            collect_now = self._launch_codec(now, plan.codec_resets)
+            collect_later = self._launch_codec(later, [])
+            if now or later:
+                self.figures.stop("codec", t)
+        else:  # later chunks (after the slots' resets) on the codec stream; first chunks on this one
+            self._main_stream = torch.cuda.current_stream(self.device)
+            with self._codec_ctx():
+                t = self.figures.start()
+                collect_later = self._launch_codec(later, plan.codec_resets)
+                if later:
+                    self.figures.stop("codec", t)
+            collect_now = self._launch_codec(now, [], first_lane=True)
         if not self.defers_codec:
             return collect_now(), None
         audio: dict[str, np.ndarray] = {}
@@ -520,18 +528,19 @@ class Runner:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.codec_stream)
 
-    def _codec_buffers(self, b: int, f: int) -> tuple[Tensor, Tensor, Tensor]:
-        key = (b, f)
+    def _codec_buffers(self, b: int, f: int, first_lane: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        key = (b, f, first_lane)
         if key not in self._codec_io:
-            slots = torch.full((b,), self.codec_dummy, dtype=torch.long, device=self.device)
+            dummy = self.codec_dummy + int(first_lane)
+            slots = torch.full((b,), dummy, dtype=torch.long, device=self.device)
             codes = torch.zeros(b, f, self.groups, dtype=torch.long, device=self.device)
             dtype = next(self.codec.parameters()).dtype
             out = torch.zeros(b, f * self.samples_per_frame, device=self.device, dtype=dtype)
             self._codec_io[key] = (slots, codes, out)
         return self._codec_io[key]
 
-    def _codec_fn(self, b: int, f: int) -> Callable[[], None]:
-        slots, codes, out = self._codec_buffers(b, f)
+    def _codec_fn(self, b: int, f: int, first_lane: bool = False) -> Callable[[], None]:
+        slots, codes, out = self._codec_buffers(b, f, first_lane)
 
         def fn() -> None:
             out.copy_(self.codec.decode_step(slots, codes))
@@ -539,29 +548,38 @@ class Runner:
         return fn
 
     def _launch_codec(
-        self, chunks: list[CodecChunk], resets: list[int]
+        self, chunks: list[CodecChunk], resets: list[int], first_lane: bool = False
     ) -> Callable[[], dict[str, np.ndarray]]:
-        if not chunks and not resets and not self._codec_primes:
+        """Launch chunks (after resets and pending reference clips) on the current stream -> a
+        function that waits for their audio. first_lane: through the first-chunk graphs, after
+        the codec stream's resets (codec_overlap)."""
+        if not chunks and not resets and (first_lane or not self._codec_primes):
             return dict
         host: list[tuple[list[CodecChunk], Tensor]] = []
-        with self._codec_ctx():
-            if self.codec_stream is not None:
-                self.codec_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if first_lane:
+            if self._slots_ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._slots_ready)
+        else:
+            if self.codec_stream is not None and self._main_stream is not None:
+                self.codec_stream.wait_stream(self._main_stream)  # after the talker stream's slot writes
             if resets:
                 self.codec.reset(self._to_device(resets))
             self._prime_codec()
-            by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
-            for c in chunks:
-                by_frames[c.num_frames].append(c)
-            for group in by_frames.values():
-                for part in _slices(len(group), self.config.max_codec_batch):
-                    rows = group[part]
-                    wav = self._decode_codec(rows)
-                    # copied out before the next replay of the same bucket overwrites its output
-                    host.append((rows, wav.to("cpu", non_blocking=True, copy=True)))
-            done = torch.cuda.Event() if self.device.type == "cuda" else None
-            if done is not None:  # the copies above are asynchronous: collect() waits for them
-                done.record()
+            if self.codec_stream is not None:
+                self._slots_ready = torch.cuda.Event()
+                self._slots_ready.record(self.codec_stream)
+        by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
+        for c in chunks:
+            by_frames[c.num_frames].append(c)
+        for group in by_frames.values():
+            for part in _slices(len(group), self.config.max_codec_batch):
+                rows = group[part]
+                wav = self._decode_codec(rows, first_lane)
+                # copied out before the next replay of the same bucket overwrites its output
+                host.append((rows, wav.to("cpu", non_blocking=True, copy=True)))
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:  # the copies above are asynchronous: collect() waits for them
+            done.record()
 
         def collect() -> dict[str, np.ndarray]:
             if done is not None:
@@ -616,21 +634,24 @@ class Runner:
             self._decode_frames(slots, codes[:, start : start + f])
             start += f
 
-    def _decode_codec(self, rows: list[CodecChunk]) -> Tensor:
+    def _decode_codec(self, rows: list[CodecChunk], first_lane: bool = False) -> Tensor:
         codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
-        return self._decode_frames([c.codec_slot for c in rows], codes)
+        slots = [c.codec_slot for c in rows]
+        return self._decode_frames(slots, codes, first_lane=True) if first_lane else self._decode_frames(slots, codes)
 
-    def _decode_frames(self, slot_list: list[int], codes: Tensor) -> Tensor:
-        """Decode codes [n, F, Q] (host or device) into the n slots, through the (bucket, F) graph
-        when there is one; the result may be that graph's static output."""
+    def _decode_frames(self, slot_list: list[int], codes: Tensor, first_lane: bool = False) -> Tensor:
+        """Decode codes [n, F, Q] (host or device) into the n slots, through the lane's (bucket, F)
+        graph when there is one; the result may be that graph's static output."""
         n, f = len(slot_list), int(codes.shape[1])
         b = bucket_for(n, self.codec_batches) or n
-        if ("codec", b, f) not in self.codec_graphs.graphs:
+        bank, key = (self.graphs, ("codec_first", b, f)) if first_lane else (self.codec_graphs, ("codec", b, f))
+        if key not in bank.graphs:
             return self.codec.decode_step(self._to_device(slot_list), codes.to(self.device, non_blocking=True))
-        slots_buf, codes_buf, out = self._codec_buffers(b, f)
-        slots_buf.copy_(torch.tensor(slot_list + [self.codec_dummy] * (b - n), dtype=torch.long), non_blocking=True)
+        slots_buf, codes_buf, out = self._codec_buffers(b, f, first_lane)
+        dummy = self.codec_dummy + int(first_lane)
+        slots_buf.copy_(torch.tensor(slot_list + [dummy] * (b - n), dtype=torch.long), non_blocking=True)
         codes_buf[:n].copy_(codes, non_blocking=True)
-        self.codec_graphs.run(("codec", b, f), self._codec_fn(b, f))
+        bank.run(key, self._codec_fn(b, f, first_lane))
         return out[:n]
 
     # -- start-up ------------------------------------------------------------------------------
@@ -659,6 +680,9 @@ class Runner:
             for b in reversed(self.codec_batches)
             for f in sorted(self.config.codec_frame_buckets, reverse=True)
         ]
+        if self.codec_stream is not None:
+            first = sorted(set(FIRST_LANE_FRAMES) & set(self.config.codec_frame_buckets), reverse=True)
+            keys += [("codec_first", b, f) for b in reversed(self.codec_batches) for f in first]
         return keys
 
     @torch.no_grad()
@@ -676,7 +700,7 @@ class Runner:
             elif key[0] == "prefill":
                 fn = self._prefill_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
             else:
-                fn = self._codec_fn(int(key[1]), int(key[2]))  # type: ignore[call-overload]
+                fn = self._codec_fn(int(key[1]), int(key[2]), key[0] == "codec_first")  # type: ignore[call-overload]
             bank = self.codec_graphs if key[0] == "codec" else self.graphs
             bank.capture(key, fn)
             if progress is not None:

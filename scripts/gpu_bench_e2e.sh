@@ -7,14 +7,14 @@
 #              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
 #              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
 #              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process),
-#              PORT (8765), PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load)
+#              PORT (8765), TAG (output names: bench-TAG.json; the size by default), PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${POINT_SECONDS:-20}"  # not SECONDS: bash counts time in it
 REF_BATCHES="${REF_BATCHES:-1,8}"; REF_FRAMES="${REF_FRAMES:-40}"; DEVICE="${DEVICE:-cuda}"
 OUTDIR="${OUTDIR:-${OUT:-./bench-out}}"; mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"; CKPT="${CKPT:-.cache/cadence-random-$SIZE}"; PORT="${PORT:-8765}"
-tag="$(echo "$SIZE" | tr 'A-Z' 'a-z')"
+tag="${TAG:-$(echo "$SIZE" | tr 'A-Z' 'a-z')}"  # names the output files
 
 [ -f "$CKPT/config.json" ] || $PY scripts/random_checkpoint.py --size "$SIZE" --out "$CKPT" --device "$DEVICE"
 $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams 640 ${SERVE_ARGS:-} \

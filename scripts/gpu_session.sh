@@ -10,6 +10,9 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 6    # two GPUs: the 1.7B sweep to C=640 on one;
 #                                                         Code2Wav's cost per (rows, frames) and tests
 #                                                         on the other (the scheduler's cost model)
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 7    # two GPUs: the 1.7B sweep with --codec-overlap
+#                                                         on one; tests, FP8 (200 frames, a sweep) and
+#                                                         the prefix caches on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -75,5 +78,19 @@ case "${1:-}" in
        --dtypes bf16 --steps 10 --json "$OUTDIR/codec-shapes.json") &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6"; exit 2 ;;
+  7)  # two GPUs: the 1.7B sweep with Code2Wav overlapping the talker on GPU 0; on GPU 1 the GPU
+      # tests beside FP8's greedy agreement over 200 frames, the prefix caches, an FP8 sweep
+    sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" SERVE_ARGS="--codec-overlap" \
+       run 570 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider &
+     run 170 fp8 $PY scripts/gpu_fp8_bench.py --out "$OUTDIR/fp8.json" --variants talker --frames 200 --rows 4 \
+       --engine-batches
+     wait
+     run 110 prefix-cache $PY scripts/gpu_prefix_cache.py --checkpoint "$CKPT" --codec-frame-buckets 1 2 4
+     SERVE_ARGS="--dtype fp8" PORT=8766 TAG=1.7b-fp8 CONC="${CONC_FP8:-256,384}" run 290 e2e-fp8 bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7"; exit 2 ;;
 esac
