@@ -52,7 +52,9 @@ class SchedulerConfig:
     # rows per step whose chunk goes out below its scheduled size because the listener's buffer runs
     # low. Beyond these, late rows wait a step and grow: under overload every late stream flushing one
     # frame per step keeps Code2Wav at its least efficient shape, which keeps the streams late
-    max_early_codec_rows: int = 64
+    # (simulated at 512 streams on the H200's costs: 64 left a quarter of the streams underrunning,
+    # 96-160 almost none, 256 and more lengthen every step; scripts/sim_engine.py)
+    max_early_codec_rows: int = 128
     # later chunks of one size whose group has fewer rows than this are cut down to a smaller size
     # present in the same step, saving a Code2Wav launch (0: never)
     merge_codec_groups_below: int = 32
