@@ -9,14 +9,13 @@ work the GPU does not overlap. Closed-loop streams take the corpus's forced leng
 the load test's PlaybackClock (150 ms buffer), so TTFA, RTF and underruns mean what `cadence bench`
 reports, at the engine's edge (no gateway, no network).
 
-The cost model (`--costs`, JSON) defaults to the H200 figures of deploy/bench (fourth session):
-talker and sampling per row from the end-to-end stage figures, Code2Wav per (rows, frames) from the
-codec benches, interpolated. Calibration: with the scheduler that ran the fourth session's sweep,
-`--codec-scale 1.25 --host-ms 2` (the defaults) reproduce its RTF p50/p90 within 0.04 at C=256,
-384 and 512 and its 64 ms step at 512; underruns come out lower than measured (no gateway, network
-or GPU jitter here), so compare them between policies, not with a GPU run.
-`scripts/gpu_session.sh 6` measures every Code2Wav shape for a sharper table
-(`--codec-shapes codec-shapes.json`).
+The cost model (`--costs`, JSON) defaults to the H200 figures of deploy/bench: talker and
+sampling per row fitted to the sixth session's end-to-end stage figures (C=256-512), Code2Wav per
+(rows, frames) from every graph shape the engine replays (`h200-codec-shapes.json`, written by
+`scripts/gpu_session.sh 6`), interpolated. Calibration: with the scheduler of that sweep,
+`--codec-scale 1.06 --host-ms 5` (the defaults) give its 57 ms step, 30 ms of Code2Wav and RTF p50
+0.76 at C=512 (measured 0.78). Underruns come out far lower than measured (no gateway, network or
+GPU jitter here), so compare them between policies, not with a GPU run.
 
     .venv/bin/python -m scripts.sim_engine --streams 256,384,512 --seconds 30
 """
@@ -46,16 +45,15 @@ from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, Segment  # n
 from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 CODEC_BATCH = 64
-# H200, bf16, CUDA graphs (deploy/bench): Code2Wav graph ms at 1 and 64 rows for 1, 4, 25 frames
-DEFAULT_CODEC = {"1": {"1": 2.48, "4": 2.68, "25": 3.36}, "64": {"1": 5.73, "4": 11.56, "25": 48.05}}
+CODEC_SHAPES = ROOT / "deploy/bench/h200-codec-shapes.json"  # H200, bf16: Code2Wav graph ms per shape
 
 
 @dataclass
 class Costs:
     """GPU milliseconds of each part of a step."""
 
-    decode: tuple[float, float] = (2.5, 0.0074)  # ms = a + b * rows (talker decode graph)
-    sample: tuple[float, float] = (7.8, 0.0124)  # sampling + the 15-step code predictor
+    decode: tuple[float, float] = (1.0, 0.0125)  # ms = a + b * rows (talker decode graph)
+    sample: tuple[float, float] = (6.7, 0.0167)  # sampling + the 15-step code predictor
     prefill_per_chunk: float = 1.0  # a longer prompt chunk's share of its graph
     codec: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> frames -> ms
 
@@ -77,18 +75,17 @@ def _by_frames(row: dict[int, float], frames: int) -> float:
     return row[lo] if hi == lo else row[lo] + (row[hi] - row[lo]) * (frames - lo) / (hi - lo)
 
 
-def load_costs(path: Path | None, codec_shapes: Path | None) -> Costs:
-    costs = Costs(codec={int(r): {int(f): ms for f, ms in v.items()} for r, v in DEFAULT_CODEC.items()})
+def load_costs(path: Path | None, codec_shapes: Path | None = None) -> Costs:
+    """The default costs, or a JSON cost model; `codec_shapes` (scripts/gpu_codec_bench.py --json)
+    replaces the Code2Wav table."""
     if path is not None:
         data = json.loads(path.read_text())
-        costs = Costs(tuple(data["decode"]), tuple(data["sample"]), data["prefill_per_chunk"],
-                      {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()})
-    if codec_shapes is not None:  # scripts/gpu_codec_bench.py --json
-        table: dict[int, dict[int, float]] = defaultdict(dict)
-        for row in json.loads(codec_shapes.read_text()):
-            table[int(row["batch"])][int(row["frames"])] = float(row["graph_ms"])
-        costs.codec = dict(table)
-    return costs
+        return Costs(tuple(data["decode"]), tuple(data["sample"]), data["prefill_per_chunk"],
+                     {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()})
+    table: dict[int, dict[int, float]] = defaultdict(dict)
+    for row in json.loads((codec_shapes or CODEC_SHAPES).read_text()):
+        table[int(row["batch"])][int(row["frames"])] = float(row["graph_ms"])
+    return Costs(codec=dict(table))
 
 
 def codec_launches(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -219,8 +216,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds measured per level")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--ramp-s", type=float, default=2.0, help="the first streams arrive over this")
-    ap.add_argument("--host-ms", type=float, default=2.0, help="host work per step the GPU does not overlap")
-    ap.add_argument("--codec-scale", type=float, default=1.25,
+    ap.add_argument("--host-ms", type=float, default=5.0, help="host work per step the GPU does not overlap")
+    ap.add_argument("--codec-scale", type=float, default=1.06,
                     help="Code2Wav time in the engine over the isolated bench's (calibrated, see above)")
     ap.add_argument("--prompt", type=int, default=1, help="prompt positions left after the prefix cache")
     ap.add_argument("--buffer-ms", type=float, default=150.0)

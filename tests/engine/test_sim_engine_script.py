@@ -9,8 +9,8 @@ from scripts.sim_engine import Costs, Simulation, codec_launches, load_costs
 
 
 def args(merge_below: int | None) -> argparse.Namespace:
-    return argparse.Namespace(seconds=4.0, warmup=1.0, host_ms=2.0, prompt=1, buffer_ms=150.0,
-                              merge_below=merge_below, codec_scale=1.25, ramp_s=0.5, smooth=None)
+    return argparse.Namespace(seconds=4.0, warmup=1.0, host_ms=5.0, prompt=1, buffer_ms=150.0,
+                              merge_below=merge_below, codec_scale=1.06, ramp_s=0.5, smooth=None)
 
 
 def test_launches_follow_the_runners_grouping() -> None:
@@ -21,7 +21,8 @@ def test_launches_follow_the_runners_grouping() -> None:
 def test_the_cost_model_interpolates_rows_and_frames() -> None:
     costs = load_costs(None, None)
     assert isinstance(costs, Costs)
-    assert costs.codec_ms(64, 4) == 11.56 and costs.codec_ms(1, 1) == 2.48
+    assert costs.codec_ms(64, 4) == 11.523 and costs.codec_ms(1, 1) == 2.411  # h200-codec-shapes.json
+    assert costs.codec_ms(48, 4) == (costs.codec_ms(32, 4) + costs.codec_ms(64, 4)) / 2
     assert costs.codec_ms(1, 4) < costs.codec_ms(32, 4) < costs.codec_ms(64, 4)
     assert costs.codec_ms(64, 4) < costs.codec_ms(64, 8) < costs.codec_ms(64, 25)
 
