@@ -302,8 +302,8 @@ class Runner:
 
         Deferring, first chunks are decoded and collected now (time to first audio); the others are
         collected by the next step, so the host plans it while the GPU decodes them."""
-        later = [c for c in plan.codec if not c.first_chunk] if self.defers_codec else []
-        now = [c for c in plan.codec if c.first_chunk] + first if self.defers_codec else plan.codec + first
+        later = [c for c in plan.codec if not (c.first_chunk or c.urgent)] if self.defers_codec else []
+        now = [c for c in plan.codec if c.first_chunk or c.urgent] + first if self.defers_codec else plan.codec + first
         if self.codec_stream is None:
             t = self.figures.start()
             collect_now = self._launch_codec(now, plan.codec_resets)
@@ -325,7 +325,8 @@ class Runner:
         if self._deferred is not None:  # launched before this step's talker work: already done
             audio, delivered = self._deferred()
             self._deferred = None
-        audio |= collect_now()
+        for rid, wav in collect_now().items():  # after the same stream's deferred chunk, if any
+            audio[rid] = np.concatenate([audio[rid], wav]) if rid in audio else wav
         delivered += [(c.request_id, c.num_frames) for c in now]
         if later:
             self._deferred = lambda: (collect_later(), [(c.request_id, c.num_frames) for c in later])

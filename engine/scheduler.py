@@ -66,6 +66,9 @@ class SchedulerConfig:
     ttfa_target_s: float = 0.025
     safety_margin_s: float = 0.1  # emit a short chunk when the buffer would run dry sooner than this
     codec_delivery_steps: int = 0  # steps between a chunk's launch and its audio (deferring runner)
+    # a deferring runner collects a short chunk in its own step when its listener would run dry
+    # before the next step's delivery (CodecChunk.urgent)
+    urgent_codec_chunks: bool = True
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
     def __post_init__(self) -> None:
@@ -281,8 +284,9 @@ class Scheduler:
             if r is None:
                 continue
             o = out_for(r)
-            o.sample_offset = r.samples_emitted
-            o.audio = output.audio.get(rid)
+            if o.audio is None:  # a stream's deferred chunk and an urgent one share one output
+                o.sample_offset = r.samples_emitted
+                o.audio = output.audio.get(rid)
             r.frames_decoded += frames
             if r.first_audio_time is None:
                 r.first_audio_time = now
@@ -525,7 +529,9 @@ class Scheduler:
         if self.config.codec_frames_over_production:
             chosen = self._smooth(chosen, now)
         work: list[CodecChunk] = []
-        for r, n, _ in chosen:
+        # deferred audio comes a step later than audio collected in its step
+        urgent_below = self.config.safety_margin_s + (1 + self.config.codec_delivery_steps) * self.step_time_s
+        for r, n, why in chosen:
             start = r.frames_launched
             work.append(
                 CodecChunk(
@@ -534,6 +540,8 @@ class Scheduler:
                     first_frame=start,
                     codes=r.codes[start : start + n],
                     first_chunk=r.chunks_emitted == 0,
+                    urgent=(self.config.urgent_codec_chunks and self.config.codec_delivery_steps > 0
+                            and why == EARLY and r.deadline - now < urgent_below),
                 )
             )
         return work

@@ -118,6 +118,7 @@ class Simulation:
         rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]
         self.lengths = [int(r["frames"]) for r in rows if r.get("frames")]
         self.players: dict[str, tuple[PlaybackClock, float, int]] = {}  # id -> (player, opened, frames)
+        self.arrived: dict[str, float] = {}  # the last delivery's arrival per stream
         self.deferred: list[tuple[str, int]] = []  # later chunks: delivered at the next step's end
         self.done: list[dict[str, float]] = []
         self.launches = self.steps = 0
@@ -151,8 +152,9 @@ class Simulation:
               "prefill": self.costs.prefill_per_chunk * longer}
         sampled = len(plan.sampling_rows)
         ms["sample"] = self.costs.sample[0] + self.costs.sample[1] * sampled if sampled else 0.0
-        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk] + [(1, 0)] * len(plan.first_audio_now)
-        later_chunks = [(c.num_frames, 0) for c in plan.codec if not c.first_chunk]
+        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk or c.urgent]
+        now_chunks += [(1, 0)] * len(plan.first_audio_now)
+        later_chunks = [(c.num_frames, 0) for c in plan.codec if not (c.first_chunk or c.urgent)]
         launches = codec_launches(now_chunks) + codec_launches(later_chunks)
         ms["codec"] = self.args.codec_scale * sum(self.costs.codec_ms(b, f) for b, f in launches)
         self.launches += len(launches)
@@ -161,24 +163,38 @@ class Simulation:
         self.now += (sum(ms.values()) + self.args.host_ms) / 1000
         self.steps += 1
         # this step's first chunks arrive now; the previous step's later chunks too
-        delivered = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk]
+        delivered = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk or c.urgent]
         delivered += [(f.request_id, 1) for f in plan.first_audio_now]
         delivered += self.deferred
-        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk]
+        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not (c.first_chunk or c.urgent)]
         codes = [[7] * 16 for _ in plan.sampling_rows]
-        audio = {rid: _silence(n) for rid, n in delivered}
+        frames: dict[str, int] = defaultdict(int)
+        for rid, n in delivered:
+            frames[rid] += n
+        audio = {rid: _silence(n) for rid, n in frames.items()}
         for out in self.sched.update(plan, StepOutput(codes=codes, audio=audio, delivered=delivered)):
             if out.audio is not None:
-                self.players[out.request_id][0].on_packet(len(out.audio))
+                self.deliver(out.request_id, len(out.audio))
             if out.finished:
                 self.finish(out.request_id)
 
+    def deliver(self, rid: str, samples: int) -> None:
+        """Audio reaches the listener after the gateway's and the network's delay, in order."""
+        at = self.now + self.args.delivery_base_ms / 1000
+        if self.args.delivery_jitter_ms > 0:
+            at += self.rng.expovariate(1000 / self.args.delivery_jitter_ms)
+        at = max(at, self.arrived.get(rid, 0.0))
+        self.arrived[rid] = at
+        self.players[rid][0].on_packet(samples, at)
+
     def finish(self, rid: str) -> None:
         player, opened, frames = self.players.pop(rid)
+        self.arrived.pop(rid, None)
         if player.first_packet_at is not None and self.now > self.args.warmup:
             audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
             self.done.append({"ttfa": player.first_packet_at - opened, "rtf": (self.now - opened) / audio_s,
-                              "underrun": float(player.underruns > 0), "audio_s": audio_s})
+                              "underrun": float(player.underruns > 0), "audio_s": audio_s,
+                              "early": float(player.first_underrun_s is not None and player.first_underrun_s <= 1.0)})
         self.open()
 
     def run(self) -> dict[str, Any]:
@@ -192,6 +208,7 @@ class Simulation:
             "ttfa_p90_ms": round(1000 * _pct([x["ttfa"] for x in d], 90), 1),
             "rtf_p50": round(_pct([x["rtf"] for x in d], 50), 3), "rtf_p90": round(_pct([x["rtf"] for x in d], 90), 3),
             "underrun_streams_pct": round(100 * statistics.fmean(x["underrun"] for x in d), 1) if d else None,
+            "underrun_in_first_s_pct": round(100 * statistics.fmean(x["early"] for x in d), 1) if d else None,
             "audio_s_per_s": round(sum(x["audio_s"] for x in d) / window, 1),
             "step_ms": round(1000 * self.now / self.steps, 2),
             "codec_launches_per_step": round(self.launches / self.steps, 2),
@@ -221,6 +238,9 @@ def main() -> None:
                     help="Code2Wav time in the engine over the isolated bench's (calibrated, see above)")
     ap.add_argument("--prompt", type=int, default=1, help="prompt positions left after the prefix cache")
     ap.add_argument("--buffer-ms", type=float, default=150.0)
+    ap.add_argument("--delivery-base-ms", type=float, default=0.0, help="engine to listener, fixed part")
+    ap.add_argument("--delivery-jitter-ms", type=float, default=0.0,
+                    help="engine to listener, mean of an exponential extra delay per delivery")
     ap.add_argument("--merge-below", type=int, default=None, help="the scheduler's merge_codec_groups_below")
     ap.add_argument("--smooth", type=float, default=None, help="the scheduler's codec_frames_over_production")
     ap.add_argument("--costs", type=Path, default=None, help="a cost model as JSON (see Costs)")

@@ -107,6 +107,25 @@ async def test_batched_greedy_output_equals_offline_generation_and_streamed_audi
         np.testing.assert_allclose(audio, offline, atol=1e-4)
 
 
+def test_a_streams_deferred_chunk_and_its_urgent_next_one_leave_one_step_in_order(bundle):
+    """A chunk deferred last step and the same stream's urgent chunk now: one output, in order."""
+    from engine.plan import CodecChunk, StepPlan
+
+    runner = make_engine(bundle, defer_codec=True).runner
+    runner._launch_codec = lambda chunks, resets, first_lane=False: lambda: {
+        c.request_id: np.full(c.num_frames * 1920, c.first_frame, np.float32) for c in chunks}
+
+    def chunk(first_frame: int, frames: int, urgent: bool) -> CodecChunk:
+        return CodecChunk(request_id="x", codec_slot=0, first_frame=first_frame, codes=[[0] * 16] * frames,
+                          first_chunk=False, urgent=urgent)
+
+    audio, delivered = runner._run_codec(StepPlan(step=1, codec=[chunk(1, 2, urgent=False)]), [])
+    assert audio == {} and delivered == []
+    audio, delivered = runner._run_codec(StepPlan(step=2, codec=[chunk(3, 1, urgent=True)]), [])
+    assert delivered == [("x", 2), ("x", 1)]
+    assert audio["x"].tolist() == [1.0] * 2 * 1920 + [3.0] * 1920
+
+
 async def test_rows_of_one_chunk_size_beyond_one_batch_keep_their_own_audio_with_static_outputs(bundle):
     """A captured Code2Wav graph writes every replay into one static output; rows of one chunk size
     split over several replays of the same bucket must each be copied out before the next replay."""
@@ -183,8 +202,14 @@ def test_load_reports_kv_bytes_per_stream(bundle):
     assert load.extra["kv_bytes_per_token"] == per_token
 
 
-async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle):
+@pytest.mark.parametrize("urgent", [False, True], ids=["deferred", "urgent-in-step"])
+async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
+    """Later chunks come with the next step; urgent ones (the listener would run dry first) and
+    first chunks with their own, after the same stream's deferred chunk when both come at once."""
     engine = make_engine(bundle, defer_codec=True)
+    engine.scheduler.config.urgent_codec_chunks = urgent
+    if urgent:  # a slow step (as on this CPU): every short chunk's listener is about to run dry
+        engine.scheduler.config.safety_margin_s = 10.0
     steps = []
     execute = engine.runner.execute
 
@@ -198,10 +223,16 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle):
     drive(engine)
     chunks = await collect(stream)
     assert state.status == RequestStatus.FINISHED_STOPPED and sum(len(c.samples) for c in chunks) == 8 * 1920
-    later = [[(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk] for plan, _ in steps]
-    assert any(later), "the schedule should have produced chunks after the first"
+    assert [c.sample_offset for c in chunks] == list(np.cumsum([0] + [len(c.samples) for c in chunks[:-1]]))
+    later = [[(c.request_id, c.num_frames) for c in plan.codec if not (c.first_chunk or c.urgent)]
+             for plan, _ in steps]
+    urgent_chunks = [c for plan, _ in steps for c in plan.codec if c.urgent]
+    assert bool(urgent_chunks) == urgent and (any(later) or urgent)
     for i, (plan, out) in enumerate(steps):
-        now = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk]
+        now = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk or c.urgent]
         now += [(f.request_id, 1) for f in plan.first_audio_now]
         assert out.delivered == (later[i - 1] if i else []) + now, f"step {i}"
-        assert all(out.audio[rid].size == n * 1920 for rid, n in out.delivered)
+        frames: dict[str, int] = {}
+        for rid, n in out.delivered:
+            frames[rid] = frames.get(rid, 0) + n
+        assert all(out.audio[rid].size == n * 1920 for rid, n in frames.items())

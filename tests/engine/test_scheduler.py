@@ -548,3 +548,40 @@ def test_a_steps_codec_frames_stay_near_production_when_listeners_can_wait():
     assert sum(plan.values()) <= 60 and len(plan) == 2
     sched.config.codec_frames_over_production = 0  # no limit
     assert len(sched._schedule_codec(clock.t)) == 8
+
+
+def test_with_deferred_delivery_a_chunk_is_urgent_only_when_its_listener_runs_dry_before_it():
+    clock = FakeClock(10.0)
+    # step 50 ms: a deferred chunk arrives about two steps on; the margin is 100 ms
+    dry = _waiting_chunk("dry-", 1, 1, clock, buffered_s=0.15)  # early, and dry before 0.2 s
+    thin = _waiting_chunk("thin-", 2, 1, clock, buffered_s=0.25)  # early (wants 4), holds out 0.2 s
+    calm = _waiting_chunk("calm-", 3, 8, clock, buffered_s=0.05)  # on schedule: never urgent
+    sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64, codec_delivery_steps=1,
+                             safety_margin_s=0.1, merge_codec_groups_below=0)
+    sched.step_time_s = 0.05
+    for slot, r in enumerate((dry, thin, calm)):
+        r.codec_slot = slot
+        sched.requests[r.request_id] = r
+    urgent = {c.request_id: c.urgent for c in sched._schedule_codec(clock.t)}
+    assert urgent == {"dry-0": True, "thin-0": False, "calm-0": False}
+    sched.config.urgent_codec_chunks = False
+    assert not any(c.urgent for c in sched._schedule_codec(clock.t))
+    sched.config.urgent_codec_chunks, sched.config.codec_delivery_steps = True, 0  # in-step delivery anyway
+    assert not any(c.urgent for c in sched._schedule_codec(clock.t))
+
+
+def test_a_streams_two_chunks_delivered_in_one_step_make_one_output_at_the_earlier_offset():
+    import numpy as np
+
+    from engine.plan import StepOutput, StepPlan
+
+    clock = FakeClock(10.0)
+    r = _waiting_chunk("two-", 2, 0, clock)
+    r.frames_launched = 43  # frames 40-42 in flight: a deferred 2-frame chunk, an urgent 1-frame one
+    sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64)
+    r.codec_slot = 0
+    sched.requests[r.request_id] = r
+    audio = np.zeros(3 * 1920, np.float32)
+    (out,) = sched.update(StepPlan(step=1), StepOutput(codes=[], audio={"two-0": audio},
+                                                        delivered=[("two-0", 2), ("two-0", 1)]))
+    assert out.sample_offset == 40 * 1920 and out.audio is audio and r.frames_decoded == 43

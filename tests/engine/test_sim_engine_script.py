@@ -10,7 +10,8 @@ from scripts.sim_engine import Costs, Simulation, codec_launches, load_costs
 
 def args(merge_below: int | None) -> argparse.Namespace:
     return argparse.Namespace(seconds=4.0, warmup=1.0, host_ms=5.0, prompt=1, buffer_ms=150.0,
-                              merge_below=merge_below, codec_scale=1.06, ramp_s=0.5, smooth=None)
+                              merge_below=merge_below, codec_scale=1.06, ramp_s=0.5, smooth=None,
+                              delivery_base_ms=0.0, delivery_jitter_ms=0.0)
 
 
 def test_launches_follow_the_runners_grouping() -> None:
