@@ -15,7 +15,11 @@ sampling per row fitted to the sixth session's end-to-end stage figures (C=256-5
 `scripts/gpu_session.sh 6`), interpolated. Calibration: with the scheduler of that sweep,
 `--codec-scale 1.06 --host-ms 5` (the defaults) give its 57 ms step, 30 ms of Code2Wav and RTF p50
 0.76 at C=512 (measured 0.78). Underruns come out far lower than measured (no gateway, network or
-GPU jitter here), so compare them between policies, not with a GPU run.
+GPU jitter here), so compare them between policies, not with a GPU run. With a delivery delay of
+`--delivery-base-ms 20 --delivery-jitter-ms 30` (exponential) it reproduces that sweep's
+streams with an underrun (2.4 / 6.9 / 22 % at C=256 / 384 / 512; measured 3.5 / 6.4 / 19 %, most
+of them in the first second of audio in both). `--gateway-us-per-packet` models the gateway
+sending a step's audio one stream after another instead.
 
     .venv/bin/python -m scripts.sim_engine --streams 256,384,512 --seconds 30
 """
@@ -45,6 +49,7 @@ from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, Segment  # n
 from engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 CODEC_BATCH = 64
+PACKET_SAMPLES = 480  # 20 ms at 24 kHz
 CODEC_SHAPES = ROOT / "deploy/bench/h200-codec-shapes.json"  # H200, bf16: Code2Wav graph ms per shape
 
 
@@ -113,12 +118,18 @@ class Simulation:
             config.merge_codec_groups_below = args.merge_below
         if args.smooth is not None:
             config.codec_frames_over_production = args.smooth
+        for item in args.set or []:  # --set urgent_codec_chunks=false
+            key, _, value = item.partition("=")
+            if not hasattr(config, key):
+                raise SystemExit(f"--set: SchedulerConfig has no field {key!r}")
+            setattr(config, key, json.loads(value))
         self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
         self.rng = random.Random(0)
         rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]
         self.lengths = [int(r["frames"]) for r in rows if r.get("frames")]
         self.players: dict[str, tuple[PlaybackClock, float, int]] = {}  # id -> (player, opened, frames)
         self.arrived: dict[str, float] = {}  # the last delivery's arrival per stream
+        self.burst_s = 0.0
         self.deferred: list[tuple[str, int]] = []  # later chunks: delivered at the next step's end
         self.done: list[dict[str, float]] = []
         self.launches = self.steps = 0
@@ -172,15 +183,17 @@ class Simulation:
         for rid, n in delivered:
             frames[rid] += n
         audio = {rid: _silence(n) for rid, n in frames.items()}
+        self.burst_s = 0.0  # the gateway sends a step's audio one stream after another
         for out in self.sched.update(plan, StepOutput(codes=codes, audio=audio, delivered=delivered)):
             if out.audio is not None:
+                self.burst_s += len(out.audio) / PACKET_SAMPLES * self.args.gateway_us_per_packet / 1e6
                 self.deliver(out.request_id, len(out.audio))
             if out.finished:
                 self.finish(out.request_id)
 
     def deliver(self, rid: str, samples: int) -> None:
         """Audio reaches the listener after the gateway's and the network's delay, in order."""
-        at = self.now + self.args.delivery_base_ms / 1000
+        at = self.now + self.burst_s + self.args.delivery_base_ms / 1000
         if self.args.delivery_jitter_ms > 0:
             at += self.rng.expovariate(1000 / self.args.delivery_jitter_ms)
         at = max(at, self.arrived.get(rid, 0.0))
@@ -239,10 +252,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1, help="prompt positions left after the prefix cache")
     ap.add_argument("--buffer-ms", type=float, default=150.0)
     ap.add_argument("--delivery-base-ms", type=float, default=0.0, help="engine to listener, fixed part")
+    ap.add_argument("--gateway-us-per-packet", type=float, default=0.0,
+                    help="the gateway's time per 20 ms packet: a step's audio leaves in the order of its outputs")
     ap.add_argument("--delivery-jitter-ms", type=float, default=0.0,
                     help="engine to listener, mean of an exponential extra delay per delivery")
     ap.add_argument("--merge-below", type=int, default=None, help="the scheduler's merge_codec_groups_below")
     ap.add_argument("--smooth", type=float, default=None, help="the scheduler's codec_frames_over_production")
+    ap.add_argument("--set", action="append", metavar="FIELD=JSON",
+                    help="a SchedulerConfig field, e.g. --set max_early_codec_rows=64 (repeatable)")
     ap.add_argument("--costs", type=Path, default=None, help="a cost model as JSON (see Costs)")
     ap.add_argument("--codec-shapes", type=Path, default=None, help="scripts/gpu_codec_bench.py --json output")
     args = ap.parse_args()

@@ -11,7 +11,7 @@ from scripts.sim_engine import Costs, Simulation, codec_launches, load_costs
 def args(merge_below: int | None) -> argparse.Namespace:
     return argparse.Namespace(seconds=4.0, warmup=1.0, host_ms=5.0, prompt=1, buffer_ms=150.0,
                               merge_below=merge_below, codec_scale=1.06, ramp_s=0.5, smooth=None,
-                              delivery_base_ms=0.0, delivery_jitter_ms=0.0)
+                              delivery_base_ms=0.0, delivery_jitter_ms=0.0, gateway_us_per_packet=0.0, set=None)
 
 
 def test_launches_follow_the_runners_grouping() -> None:
@@ -37,3 +37,16 @@ def test_a_short_run_reports_the_benchmarks_figures_and_merging_saves_launches()
         assert 0 < r["rtf_p50"] <= r["rtf_p90"] < 2 and 0 <= r["underrun_streams_pct"] <= 100
         assert r["step_ms"] > r["gpu_ms_sample"] + r["gpu_ms_decode"]
     assert merged["codec_launches_per_step"] < apart["codec_launches_per_step"]
+
+
+def test_scheduler_fields_are_set_from_the_command_line() -> None:
+    import pytest
+
+    costs = load_costs(None, None)
+    a = args(None)
+    a.set = ["max_early_codec_rows=7", "urgent_codec_chunks=false"]
+    config = Simulation(a, 8, costs).sched.config
+    assert config.max_early_codec_rows == 7 and config.urgent_codec_chunks is False
+    a.set = ["no_such_field=1"]
+    with pytest.raises(SystemExit, match="no_such_field"):
+        Simulation(a, 8, costs)
