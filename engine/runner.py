@@ -101,8 +101,8 @@ class RunnerConfig:
     prefill_len_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     enforce_eager: bool = False
     # Code2Wav chunks after the first on their own CUDA stream, overlapping the next step's talker
-    # (CUDA; implies defer_codec). Off by default until measured at load on the H200: an earlier
-    # version hung there, its graphs all captured on one stream and so sharing cuBLAS's workspace
+    # (CUDA; implies defer_codec). Off by default: on an H200 the two stages competed for the SMs
+    # and steps got longer (58 -> 77 ms at 512 streams, deploy/bench/README.md)
     codec_overlap: bool = False
     # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
     # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
