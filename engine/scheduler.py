@@ -178,7 +178,8 @@ class Scheduler:
         self._admit()
         budget = self.config.max_tokens_per_step
         rows = 0
-        self.running.sort(key=Request.sort_key)
+        if len(self.running) > min(self.config.max_batch, budget):  # who goes first matters only then
+            self.running.sort(key=Request.sort_key)
         for r in self.running:
             seg = r.current
             if r.status != RequestStatus.DECODING or seg is None or rows >= self.config.max_batch:
@@ -199,10 +200,11 @@ class Scheduler:
             )
             budget -= 1
             rows += 1
-        for r in self.running:
+        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING and r.current is not None]
+        prefilling.sort(key=Request.sort_key)
+        for r in prefilling:
             seg = r.current
-            if r.status != RequestStatus.PREFILLING or seg is None:
-                continue
+            assert seg is not None
             if budget <= 0 or rows >= self.config.max_batch:
                 break
             remaining = seg.context_target - seg.prefilled
