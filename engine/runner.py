@@ -558,8 +558,11 @@ class Runner:
             return dict
         host: list[tuple[list[CodecChunk], Tensor]] = []
         if first_lane:
-            if self._slots_ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._slots_ready)
+            here = torch.cuda.current_stream(self.device)
+            if self.codec_stream is not None and any(not c.first_chunk for c in chunks):
+                here.wait_stream(self.codec_stream)  # an urgent chunk follows its stream's earlier ones
+            elif self._slots_ready is not None:
+                here.wait_event(self._slots_ready)
         else:
             if self.codec_stream is not None and self._main_stream is not None:
                 self.codec_stream.wait_stream(self._main_stream)  # after the talker stream's slot writes
