@@ -640,8 +640,7 @@ class Runner:
 
     def _decode_codec(self, rows: list[CodecChunk], first_lane: bool = False) -> Tensor:
         codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
-        slots = [c.codec_slot for c in rows]
-        return self._decode_frames(slots, codes, first_lane=True) if first_lane else self._decode_frames(slots, codes)
+        return self._decode_frames([c.codec_slot for c in rows], codes, first_lane)
 
     def _decode_frames(self, slot_list: list[int], codes: Tensor, first_lane: bool = False) -> Tensor:
         """Decode codes [n, F, Q] (host or device) into the n slots, through the lane's (bucket, F)

@@ -83,8 +83,8 @@ async def test_a_clones_reference_runs_through_code2wav_once_and_later_requests_
     assert states is not None
     runs = []
     decode_frames = engine.runner._decode_frames
-    engine.runner._decode_frames = lambda slots, codes: runs.append((list(slots), codes.shape[1])) or decode_frames(
-        slots, codes)
+    engine.runner._decode_frames = lambda slots, codes, first_lane=False: runs.append(
+        (list(slots), codes.shape[1])) or decode_frames(slots, codes, first_lane)
     try:
         first = await speak(engine, "c1", 5, voice="cached")
         first_run = sum(n for _, n in runs)
