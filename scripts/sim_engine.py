@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.client import PlaybackClock  # noqa: E402
+from clients.loadtest_report import EARLY_UNDERRUN_S  # noqa: E402
 from engine.api import TextSegment  # noqa: E402
 from engine.cuda_graphs import batch_buckets, bucket_for  # noqa: E402
 from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
@@ -207,7 +208,7 @@ class Simulation:
             audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
             self.done.append({"ttfa": player.first_packet_at - opened, "rtf": (self.now - opened) / audio_s,
                               "underrun": float(player.underruns > 0), "audio_s": audio_s,
-                              "early": float(player.first_underrun_s is not None and player.first_underrun_s <= 1.0)})
+                              "early": float(player.first_underrun_s is not None and player.first_underrun_s <= EARLY_UNDERRUN_S)})
         self.open()
 
     def run(self) -> dict[str, Any]:
