@@ -129,7 +129,9 @@ def streamed_equals_offline(model: Code2Wav) -> float:
 
 @torch.no_grad()
 def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int = 3,
-                 profile: bool = False) -> dict[str, Any]:
+                 profile: bool = False, compiled: Any = None) -> dict[str, Any]:
+    """compiled: a torch.compile'd decode_step to capture instead (the eager figures stay plain)."""
+    step = compiled or model.decode_step
     slots = torch.arange(b, device="cuda")
     codes = torch.zeros(b, f, 16, dtype=torch.long, device="cuda")
     inputs = [random_codes(b, f, seed=10 + i) for i in range(check_steps)]
@@ -147,11 +149,11 @@ def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int =
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            model.decode_step(slots, codes)
+            step(slots, codes)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model.decode_step(slots, codes)
+        out = step(slots, codes)
 
     model.reset(slots)
     diff = 0.0
@@ -172,6 +174,22 @@ def bench_bucket(model: Code2Wav, b: int, f: int, steps: int, check_steps: int =
     }
 
 
+def bench_compiled(model: Code2Wav, b: int, f: int, args: argparse.Namespace, row: dict[str, Any]) -> None:
+    """The same bucket with decode_step compiled by inductor (fused elementwise ops, its own layouts)."""
+    t0 = time.perf_counter()
+    try:
+        c = bench_bucket(model, b, f, args.steps, profile=args.profile,
+                         compiled=torch.compile(model.decode_step, dynamic=False))
+    except Exception as e:  # noqa: BLE001 - a failed compile is a result too
+        row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"      compiled: {row['compile_error']}", flush=True)
+        return
+    row.update(compiled_graph_ms=c["graph_ms"], compiled_vs_eager_max_abs=c["graph_vs_eager_max_abs"],
+               compile_s=round(time.perf_counter() - t0, 1))
+    print(f"      compiled: graph {c['graph_ms']:.2f} ms, vs plain eager {c['graph_vs_eager_max_abs']:.1e}, "
+          f"compile + bench {row['compile_s']} s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64,256")
@@ -182,6 +200,8 @@ def main() -> None:
     ap.add_argument("--cudnn-benchmark", default="on", help="cuDNN autotuning: on, off or both (on,off)")
     ap.add_argument("--kernel-ops", default="", help="BxF: list the operators behind the slowest kernels")
     ap.add_argument("--profile", action="store_true", help="print each bucket's kernels by GPU time")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time decode_step compiled by torch.compile (inductor) under the same graphs")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -210,6 +230,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 try:
                     row = bench_bucket(model, b, f, args.steps, profile=args.profile)
+                    if args.compile:
+                        bench_compiled(model, b, f, args, row)
                 except torch.cuda.OutOfMemoryError:
                     row = {"batch": b, "frames": f, "error": "out of memory"}
                     torch.cuda.empty_cache()

@@ -14,7 +14,8 @@
 #                                                         on one; tests, FP8 (200 frames, a sweep) and
 #                                                         the prefix caches on the other
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 8    # two GPUs: the default 1.7B sweep to C=640 on
-#                                                         one; tests and the 0.6B sweep on the other
+#                                                         one; Code2Wav's kernels (plain and compiled
+#                                                         by inductor) and the GPU tests on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -94,12 +95,13 @@ case "${1:-}" in
      SERVE_ARGS="--dtype fp8" PORT=8766 TAG=1.7b-fp8 CONC="${CONC_FP8:-256,384}" run 290 e2e-fp8 bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  8)  # two GPUs: the 1.7B sweep as served by default on GPU 0; the GPU tests and the 0.6B sweep on GPU 1
+  8)  # two GPUs: the 1.7B sweep as served by default on GPU 0; Code2Wav kernels and the GPU tests on GPU 1
     sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" run 570 e2e bash scripts/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1
-     run 120 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     SIZE=0.6B PORT=8766 CONC="${CONC_SMALL:-1,256,512}" run 420 e2e-0.6b bash scripts/gpu_bench_e2e.sh) &
+     run 330 codec-profile $PY scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --steps 10 \
+       --profile --compile --kernel-ops 64x4 --json "$OUTDIR/codec-profile.json"
+     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider) &
     wait
     ;;
   *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8"; exit 2 ;;
