@@ -28,6 +28,10 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs")
     p.add_argument("--codec-overlap", action="store_true", default=_env("codec_overlap", "0") == "1",
                    help="Code2Wav on a CUDA stream of its own, beside the next step's talker")
+    p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
+                   default=(_env("scheduler", "") or "").split(),
+                   help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
+                        "--scheduler urgent_codec_chunks=false (repeatable; the variable: space-separated)")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
     p.add_argument("--upstream", default=_env("upstream", None),
                    help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)")
@@ -63,6 +67,12 @@ def _serve_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
     from cadence.engines import build_engine
+    from engine.scheduler import SchedulerConfig
+
+    try:
+        SchedulerConfig().override(args.scheduler)  # a bad setting stops here, not in the engine's worker
+    except ValueError as e:
+        raise SystemExit(f"--scheduler: {e}") from e
     from gateway.config import GatewayConfig
     from gateway.quotas import QuotaLimits
     from gateway.server import serve
@@ -70,7 +80,7 @@ def serve_main(argv: list[str]) -> int:
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
         dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap,
-        max_streams=args.max_streams, gpus=args.gpus,
+        max_streams=args.max_streams, scheduler=tuple(args.scheduler), gpus=args.gpus,
         upstream=args.upstream, upstream_streams=args.upstream_streams,
         upstream_word_timestamps=args.upstream_word_timestamps,
     ))

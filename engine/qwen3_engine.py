@@ -69,6 +69,7 @@ class Qwen3EngineConfig:
     enforce_eager: bool = False
     defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
     codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
+    scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
     # voices' text-independent prompt prefixes kept as talker KV (engine.prefix_cache); 0 turns it off
@@ -240,6 +241,7 @@ class Qwen3Engine:
             ),
         )
         self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)
+        self.scheduler.config.override(ec.scheduler_overrides)
         self.model_name = model_name
         self.prefix_cache = PrefixKVCache(ec.prefix_cache_bytes) if ec.prefix_cache_bytes > 0 else None
         if self.prefix_cache is not None:

@@ -15,6 +15,7 @@ Every step:
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -77,6 +78,29 @@ class SchedulerConfig:
         if not self.codec_frame_buckets or min(self.codec_frame_buckets) != 1:
             raise ValueError("codec_frame_buckets must contain 1")
         self.codec_frame_buckets = tuple(sorted(set(self.codec_frame_buckets)))
+
+    def override(self, items: Iterable[str]) -> None:
+        """Set fields from `FIELD=JSON` strings (`urgent_codec_chunks=false`, `max_early_codec_rows=96`),
+        each checked against the field's current type; a wrong name or type raises ValueError."""
+        for item in items:
+            key, sep, text = item.partition("=")
+            key = key.strip()
+            if not sep or key not in self.__dataclass_fields__:
+                raise ValueError(f"scheduler option {item!r}: expected FIELD=VALUE with FIELD one of "
+                                 f"{', '.join(sorted(self.__dataclass_fields__))}")
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"scheduler option {key}: {text!r} is not a JSON value") from e
+            current = getattr(self, key)
+            if isinstance(current, tuple) and isinstance(value, list):
+                value = tuple(value)
+            elif isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if type(value) is not type(current):
+                raise ValueError(f"scheduler option {key}: expected {type(current).__name__}, got {text!r}")
+            setattr(self, key, value)
+        self.__post_init__()
 
 
 def chunk_frames(schedule: ChunkSchedule, index: int) -> int:

@@ -119,11 +119,10 @@ class Simulation:
             config.merge_codec_groups_below = args.merge_below
         if args.smooth is not None:
             config.codec_frames_over_production = args.smooth
-        for item in args.set or []:  # --set urgent_codec_chunks=false
-            key, _, value = item.partition("=")
-            if not hasattr(config, key):
-                raise SystemExit(f"--set: SchedulerConfig has no field {key!r}")
-            setattr(config, key, json.loads(value))
+        try:
+            config.override(args.set or [])  # --set urgent_codec_chunks=false
+        except ValueError as e:
+            raise SystemExit(f"--set: {e}") from e
         self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
         self.rng = random.Random(0)
         rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]

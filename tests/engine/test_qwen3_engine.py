@@ -202,6 +202,14 @@ def test_load_reports_kv_bytes_per_stream(bundle):
     assert load.extra["kv_bytes_per_token"] == per_token
 
 
+def test_scheduler_overrides_apply_after_the_engines_own_settings(bundle):
+    engine = make_engine(bundle, defer_codec=True,
+                         scheduler_overrides=("urgent_codec_chunks=false", "codec_delivery_steps=2"))
+    assert engine.scheduler.config.urgent_codec_chunks is False
+    assert engine.scheduler.config.codec_delivery_steps == 2  # set by the runner first, then overridden
+    assert make_engine(bundle, defer_codec=True).scheduler.config.urgent_codec_chunks is True
+
+
 @pytest.mark.parametrize("urgent", [False, True], ids=["deferred", "urgent-in-step"])
 async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
     """Later chunks come with the next step; urgent ones (the listener would run dry first) and

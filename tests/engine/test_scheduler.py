@@ -585,3 +585,17 @@ def test_a_streams_two_chunks_delivered_in_one_step_make_one_output_at_the_earli
     (out,) = sched.update(StepPlan(step=1), StepOutput(codes=[], audio={"two-0": audio},
                                                         delivered=[("two-0", 2), ("two-0", 1)]))
     assert out.sample_offset == 40 * 1920 and out.audio is audio and r.frames_decoded == 43
+
+
+def test_config_override_sets_typed_fields_and_rejects_bad_names_and_types():
+    config = SchedulerConfig()
+    config.override(["urgent_codec_chunks=false", "max_early_codec_rows=96", "safety_margin_s=1",
+                     "codec_frame_buckets=[4, 1, 2]"])
+    assert config.urgent_codec_chunks is False and config.max_early_codec_rows == 96
+    assert config.safety_margin_s == 1.0 and isinstance(config.safety_margin_s, float)
+    assert config.codec_frame_buckets == (1, 2, 4)  # sorted again, as at construction
+    for bad, message in [("no_such_field=1", "FIELD one of"), ("max_batch", "FIELD=VALUE"),
+                         ("max_batch=yes", "not a JSON value"), ("max_batch=1.5", "expected int"),
+                         ("urgent_codec_chunks=1", "expected bool"), ("codec_frame_buckets=[2]", "must contain 1")]:
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig().override([bad])
