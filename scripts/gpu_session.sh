@@ -16,6 +16,9 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 8    # two GPUs: the default 1.7B sweep to C=640 on
 #                                                         one; Code2Wav's kernels (plain and compiled
 #                                                         by inductor) and the GPU tests on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 9    # two GPUs: the sweep with urgent Code2Wav
+#                                                         chunks on one and off on the other; Code2Wav's
+#                                                         costs, kernels and the tests before the second
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -104,5 +107,18 @@ case "${1:-}" in
      run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8"; exit 2 ;;
+  9)  # two GPUs: urgent chunks on (GPU 0) and off (GPU 1) side by side; before the second sweep,
+      # Code2Wav's graph costs and kernels and the GPU tests on GPU 1
+    sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 560 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 120 codec-shapes $PY scripts/gpu_codec_bench.py --batches 1,8,32,64 --frames 1,4,25 --dtypes bf16 \
+       --steps 10 --json "$OUTDIR/codec-shapes.json"
+     TAIL=40 run 60 codec-profile $PY scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --steps 5 --profile
+     run 100 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     SERVE_ARGS="--scheduler urgent_codec_chunks=false" PORT=8766 TAG=1.7b-no-urgent CONC="${CONC_B:-256,384,512}" \
+       run 300 e2e-no-urgent bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9"; exit 2 ;;
 esac

@@ -70,9 +70,28 @@ class Code2WavConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Causal convolutions. Offline: pad on the left. Streaming: the left context comes from a per-slot
-# history pool (`state`, [slots, channels, history]) that each call reads and refreshes.
+# Causal convolutions over [batch, time, channels] activations (channels last in memory: cuDNN's
+# tensor-core kernels take that layout, so no convolution converts its input or output). Offline:
+# pad on the left. Streaming: the left context comes from a per-slot history pool (`state`,
+# [slots, history, channels]) that each call reads and refreshes.
 # ----------------------------------------------------------------------------------------------
+
+
+def channels_last_weight(weight: Tensor) -> None:
+    """Lay a [out, in, kernel] conv weight out kernel-major, channels innermost (shape and values
+    unchanged, so state dicts and loading are as before): `_conv` then passes it on unconverted."""
+    if not weight.permute(0, 2, 1).is_contiguous():
+        weight.data = weight.data.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+
+
+def _conv(x: Tensor, conv: nn.Conv1d | nn.ConvTranspose1d, bias: Tensor | None) -> Tensor:
+    """conv over x [B, T, C] -> [B, T', C_out], as a 2-D convolution of height 1 in channels-last."""
+    x4, w4 = x.transpose(1, 2).unsqueeze(2), conv.weight.unsqueeze(2)
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose2d(x4, w4, bias, stride=(1, conv.stride[0]))
+    else:
+        y = F.conv2d(x4, w4, bias, dilation=(1, conv.dilation[0]), groups=conv.groups)
+    return y.squeeze(2).transpose(1, 2)
 
 
 class _Streamable(nn.Module):
@@ -85,8 +104,8 @@ class _Streamable(nn.Module):
     def _with_history(self, x: Tensor, slots: Tensor) -> Tensor:
         assert self.state is not None, "call Code2Wav.init_streams() first"
         past = self.state.index_select(0, slots)
-        full = torch.cat([past, x], dim=-1)
-        self.state.index_copy_(0, slots, full[..., -self.history :])
+        full = torch.cat([past, x], dim=1)
+        self.state.index_copy_(0, slots, full[:, -self.history :])
         return full
 
 
@@ -98,13 +117,10 @@ class CausalConv(_Streamable):
         self.channels = c_in
 
     def forward(self, x: Tensor, slots: Tensor | None = None, with_bias: bool = True) -> Tensor:
-        """with_bias=False: the caller adds `conv.bias` itself, fused into its next operation."""
+        """x [B, T, C]. with_bias=False: the caller adds `conv.bias` itself, fused into its next op."""
         if self.history:
-            x = F.pad(x, (self.history, 0)) if slots is None else self._with_history(x, slots)
-        if with_bias:
-            return self.conv(x)
-        conv = self.conv
-        return F.conv1d(x, conv.weight, None, dilation=conv.dilation, groups=conv.groups)
+            x = F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
+        return _conv(x, self.conv, self.conv.bias if with_bias else None)
 
 
 class CausalTransConv(_Streamable):
@@ -118,31 +134,44 @@ class CausalTransConv(_Streamable):
         self.channels = c_in
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
-        n_new = x.shape[-1] * self.stride
+        n_new = x.shape[1] * self.stride
         if slots is None or not self.history:
-            return self.conv(x)[..., :n_new]
+            return _conv(x, self.conv, self.conv.bias)[:, :n_new]
         start = self.history * self.stride
-        # contiguous once: the next unit's activation and its residual both read it
-        return self.conv(self._with_history(x, slots))[..., start : start + n_new].contiguous()
+        return _conv(self._with_history(x, slots), self.conv, self.conv.bias)[:, start : start + n_new]
 
 
 class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / e^beta, per channel."""
+    """x + sin^2(x * e^alpha) / e^beta, per channel (the last dimension)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self._derived: tuple[tuple[Any, ...], Tensor, Tensor, Tensor, Tensor] | None = None
+
+    def _params(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """e^alpha and 1 / e^beta, in the weights' dtype and in fp32 (the fused kernel's), computed
+        again only when the weights change: a decode step then launches no kernels for them."""
+        a, b = self.alpha, self.beta
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):  # keep the autograd graph
+            alpha, inv_beta = a.exp(), 1.0 / (b.exp() + 1e-9)
+            return alpha, inv_beta, alpha.float(), inv_beta.float()
+        key = (a.data_ptr(), a._version, b.data_ptr(), b._version, a.dtype, a.device)
+        if self._derived is None or self._derived[0] != key:
+            with torch.no_grad():
+                alpha, inv_beta = a.exp(), 1.0 / (b.exp() + 1e-9)
+                self._derived = (key, alpha, inv_beta, alpha.float().contiguous(), inv_beta.float().contiguous())
+        return self._derived[1:]
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        """bias: the previous conv's, added to x here (one pass over the tensor instead of two)."""
-        alpha = self.alpha.exp()
-        inv_beta = 1.0 / (self.beta.exp() + 1e-9)
+        """x [..., C]. bias: the previous conv's, added to x here (one pass over the tensor, not two)."""
+        alpha, inv_beta, alpha32, inv_beta32 = self._params()
         if fused_snake.available(x):
-            return fused_snake.snake(x, alpha, inv_beta, bias)
+            return fused_snake.snake(x, alpha32, inv_beta32, bias)
         if bias is not None:
-            x = x + bias[:, None]
-        return torch.addcmul(x, inv_beta[None, :, None], torch.sin(x * alpha[None, :, None]).square())
+            x = x + bias
+        return torch.addcmul(x, inv_beta, torch.sin(x * alpha).square())
 
 
 class ConvNeXtBlock(nn.Module):
@@ -156,9 +185,8 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
-        h = self.dwconv(x, slots).transpose(1, 2)
-        h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        h = self.pwconv2(self.act(self.pwconv1(self.norm(self.dwconv(x, slots)))))
+        return x + self.gamma * h
 
 
 class ResidualUnit(nn.Module):
@@ -175,7 +203,7 @@ class ResidualUnit(nn.Module):
         y = self.conv2(h, with_bias=False)
         if fused_snake.available(y):
             return fused_snake.residual(x, y, self.conv2.conv.bias)
-        return x + (y + self.conv2.conv.bias[:, None])
+        return x + (y + self.conv2.conv.bias)
 
 
 class DecoderBlock(nn.Module):
@@ -252,10 +280,10 @@ class SplitQuantizer(nn.Module):
         self.fused.copy_(tables.reshape(self.fused.shape))
 
     def forward(self, codes: Tensor) -> Tensor:
-        """codes [B, F, Q] -> summed embeddings [B, codebook_dim, F]."""
+        """codes [B, F, Q] -> summed embeddings [B, F, codebook_dim]."""
         offsets = torch.arange(codes.shape[-1], device=codes.device) * self.codebook_size
         rows = F.embedding(codes + offsets, self.fused)  # [B, F, Q, D]
-        return rows.sum(2).transpose(1, 2)
+        return rows.sum(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,6 +440,9 @@ class Code2Wav(nn.Module):
         layers += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(layers)
         self.positions: Tensor | None = None  # per-slot frame counters (init_streams)
+        for module in self.modules():
+            if isinstance(module, (CausalConv, CausalTransConv)):
+                channels_last_weight(module.conv.weight)
         self.quantizer.refresh()
         self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
             lambda module, _keys: module.quantizer.refresh()
@@ -423,14 +454,14 @@ class Code2Wav(nn.Module):
 
     def _synthesize(self, codes: Tensor, positions: Tensor, key_positions: Tensor,
                     slots: Tensor | None) -> Tensor:
-        h = self.pre_conv(self.quantizer(codes), slots).transpose(1, 2)
-        h = self.pre_transformer(h, positions, key_positions, slots).transpose(1, 2)
+        h = self.pre_conv(self.quantizer(codes), slots)  # [B, F, C] from here on
+        h = self.pre_transformer(h, positions, key_positions, slots)
         for stage in self.upsample:
             trans_conv, convnext = cast(nn.ModuleList, stage)
             h = convnext(trans_conv(h, slots), slots)
         for layer in self.decoder:
             h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
-        return h.clamp(-1.0, 1.0).squeeze(1)
+        return h.clamp(-1.0, 1.0).squeeze(-1)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
@@ -446,7 +477,7 @@ class Code2Wav(nn.Module):
         p = next(self.parameters())
         for module in self.modules():
             if isinstance(module, _Streamable) and module.history:
-                module.state = torch.zeros(max_slots, module.channels, module.history, device=p.device, dtype=p.dtype)
+                module.state = torch.zeros(max_slots, module.history, module.channels, device=p.device, dtype=p.dtype)
         c = self.cfg
         shape = (max_slots, c.num_key_value_heads, c.sliding_window - 1, c.attn_head_dim)
         self.pre_transformer.kv = [

@@ -190,3 +190,29 @@ def test_steps_never_build_autograd_history(codec: Any, codes: torch.Tensor) -> 
     wav = codec.decode_step(slots, codes[:1, :2])  # called without no_grad on purpose
     assert not wav.requires_grad and not codec.pre_transformer.kv[0][0].requires_grad
     assert not codec.decode(codes[:1, :2]).requires_grad
+
+
+def test_snake_parameters_are_derived_once_and_again_after_the_weights_change() -> None:
+    from engine.models.codec import SnakeBeta
+
+    torch.manual_seed(0)
+    act = SnakeBeta(8)
+    with torch.no_grad():
+        act.alpha.normal_()
+        act.beta.normal_()
+    x = torch.randn(2, 5, 8)  # [batch, time, channels]
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        alpha, inv_beta = act.alpha.exp(), 1 / (act.beta.exp() + 1e-9)
+        return x + inv_beta * torch.sin(x * alpha) ** 2
+
+    with torch.no_grad():
+        first = act(x)
+        kept = act._params()[0]
+        assert act._params()[0] is kept  # no new tensors while the weights stay
+        act.alpha.add_(0.5)  # an in-place change (as load_state_dict makes)
+        changed = act(x)
+        torch.testing.assert_close(changed, eager(x))
+    assert not torch.allclose(first, changed)
+    act(x).sum().backward()  # with autograd on, the derived values keep their graph
+    assert act.alpha.grad is not None and act.beta.grad is not None
