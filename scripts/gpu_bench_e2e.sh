@@ -22,7 +22,7 @@ $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --por
 server=$!
 $PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; }
 import time, urllib.request
-for _ in range(240):
+for _ in range(480):  # start-up: graph capture and cuDNN autotuning of every Code2Wav bucket
     try:
         urllib.request.urlopen("http://127.0.0.1:$PORT/readyz", timeout=2); print("ready"); break
     except Exception:

@@ -19,6 +19,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 9    # two GPUs: the sweep with urgent Code2Wav
 #                                                         chunks on one and off on the other; Code2Wav's
 #                                                         costs, kernels and the tests before the second
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 10   # two GPUs: only the two sweeps, urgent chunks on
+#                                                         and off, at once
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -120,5 +122,13 @@ case "${1:-}" in
        run 300 e2e-no-urgent bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9"; exit 2 ;;
+  10)  # two GPUs, two sweeps at once: urgent Code2Wav chunks on (GPU 0) and off (GPU 1)
+    sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,512}" run 570 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     SERVE_ARGS="--scheduler urgent_codec_chunks=false" PORT=8766 TAG=1.7b-no-urgent CONC="${CONC_B:-256,512}" \
+       run 570 e2e-no-urgent bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10"; exit 2 ;;
 esac
