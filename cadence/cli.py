@@ -31,7 +31,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
                    default=(_env("scheduler", "") or "").split(),
                    help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
-                        "--scheduler urgent_codec_chunks=false (repeatable; the variable: space-separated)")
+                        "--scheduler urgent_codec_chunks=true (repeatable; the variable: space-separated)")
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
     p.add_argument("--upstream", default=_env("upstream", None),
                    help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)")

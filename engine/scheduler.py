@@ -68,8 +68,10 @@ class SchedulerConfig:
     safety_margin_s: float = 0.1  # emit a short chunk when the buffer would run dry sooner than this
     codec_delivery_steps: int = 0  # steps between a chunk's launch and its audio (deferring runner)
     # a deferring runner collects a short chunk in its own step when its listener would run dry
-    # before the next step's delivery (CodecChunk.urgent)
-    urgent_codec_chunks: bool = True
+    # before the next step's delivery (CodecChunk.urgent). Off: on the H200 at 512 streams it split
+    # Code2Wav into more, smaller launches and more streams underran (58 % against 28 %), though
+    # fewer did at 256 (2.3 % against 4.6 %; deploy/bench/README.md, seventh session)
+    urgent_codec_chunks: bool = False
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
     def __post_init__(self) -> None:
@@ -80,7 +82,7 @@ class SchedulerConfig:
         self.codec_frame_buckets = tuple(sorted(set(self.codec_frame_buckets)))
 
     def override(self, items: Iterable[str]) -> None:
-        """Set fields from `FIELD=JSON` strings (`urgent_codec_chunks=false`, `max_early_codec_rows=96`),
+        """Set fields from `FIELD=JSON` strings (`urgent_codec_chunks=true`, `max_early_codec_rows=96`),
         each checked against the field's current type; a wrong name or type raises ValueError."""
         for item in items:
             key, sep, text = item.partition("=")

@@ -6,7 +6,7 @@ Also checks, once per dtype, that streamed decoding equals the offline decode at
 
     python scripts/gpu_codec_bench.py                       # full grid
     python scripts/gpu_codec_bench.py --batches 1,16 --frames 1,25 --dtypes bf16 --json out.json
-    python scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --cudnn-benchmark on,off --profile
+    python scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --cudnn-benchmark off --profile
 
 Random weights (codebooks redrawn so the audio is not silence): timing does not depend on them.
 """
@@ -197,7 +197,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--snake", default="fused", help="SnakeBeta variants to time: fused, eager or both")
     ap.add_argument("--steps", type=int, default=20, help="timed graph replays per bucket")
-    ap.add_argument("--cudnn-benchmark", default="on", help="cuDNN autotuning: on, off or both (on,off)")
+    ap.add_argument("--cudnn-benchmark", default="on", choices=("on", "off"),
+                    help="cuDNN autotuning (one setting per process: PyTorch keeps the first choice "
+                         "of algorithm per shape, so a second setting in the same process would reuse it)")
     ap.add_argument("--kernel-ops", default="", help="BxF: list the operators behind the slowest kernels")
     ap.add_argument("--profile", action="store_true", help="print each bucket's kernels by GPU time")
     ap.add_argument("--compile", action="store_true",

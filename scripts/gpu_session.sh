@@ -19,8 +19,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 9    # two GPUs: the sweep with urgent Code2Wav
 #                                                         chunks on one and off on the other; Code2Wav's
 #                                                         costs, kernels and the tests before the second
-#   . scripts/gpu_env.sh && scripts/gpu_session.sh 10   # two GPUs: only the two sweeps, urgent chunks on
-#                                                         and off, at once
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 10   # two GPUs: only the two sweeps at once, urgent
+#                                                         chunks off (the default) and on
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -109,7 +109,7 @@ case "${1:-}" in
      run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider) &
     wait
     ;;
-  9)  # two GPUs: urgent chunks on (GPU 0) and off (GPU 1) side by side; before the second sweep,
+  9)  # two GPUs: urgent chunks off, the default (GPU 0), and on (GPU 1) side by side; before the second sweep,
       # Code2Wav's graph costs and kernels and the GPU tests on GPU 1
     sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 560 e2e bash scripts/gpu_bench_e2e.sh) &
@@ -118,16 +118,16 @@ case "${1:-}" in
        --steps 10 --json "$OUTDIR/codec-shapes.json"
      TAIL=40 run 60 codec-profile $PY scripts/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --steps 5 --profile
      run 100 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     SERVE_ARGS="--scheduler urgent_codec_chunks=false" PORT=8766 TAG=1.7b-no-urgent CONC="${CONC_B:-256,384,512}" \
-       run 300 e2e-no-urgent bash scripts/gpu_bench_e2e.sh) &
+     SERVE_ARGS="--scheduler urgent_codec_chunks=true" PORT=8766 TAG=1.7b-urgent CONC="${CONC_B:-256,384,512}" \
+       run 300 e2e-urgent bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  10)  # two GPUs, two sweeps at once: urgent Code2Wav chunks on (GPU 0) and off (GPU 1)
+  10)  # two GPUs, two sweeps at once: urgent Code2Wav chunks off, the default (GPU 0), and on (GPU 1)
     sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,512}" run 570 e2e bash scripts/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1
-     SERVE_ARGS="--scheduler urgent_codec_chunks=false" PORT=8766 TAG=1.7b-no-urgent CONC="${CONC_B:-256,512}" \
-       run 570 e2e-no-urgent bash scripts/gpu_bench_e2e.sh) &
+     SERVE_ARGS="--scheduler urgent_codec_chunks=true" PORT=8766 TAG=1.7b-urgent CONC="${CONC_B:-256,512}" \
+       run 570 e2e-urgent bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
   *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10"; exit 2 ;;

@@ -120,7 +120,7 @@ class Simulation:
         if args.smooth is not None:
             config.codec_frames_over_production = args.smooth
         try:
-            config.override(args.set or [])  # --set urgent_codec_chunks=false
+            config.override(args.set or [])  # --set urgent_codec_chunks=true
         except ValueError as e:
             raise SystemExit(f"--set: {e}") from e
         self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)

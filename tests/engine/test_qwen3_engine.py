@@ -204,10 +204,10 @@ def test_load_reports_kv_bytes_per_stream(bundle):
 
 def test_scheduler_overrides_apply_after_the_engines_own_settings(bundle):
     engine = make_engine(bundle, defer_codec=True,
-                         scheduler_overrides=("urgent_codec_chunks=false", "codec_delivery_steps=2"))
-    assert engine.scheduler.config.urgent_codec_chunks is False
+                         scheduler_overrides=("urgent_codec_chunks=true", "codec_delivery_steps=2"))
+    assert engine.scheduler.config.urgent_codec_chunks is True
     assert engine.scheduler.config.codec_delivery_steps == 2  # set by the runner first, then overridden
-    assert make_engine(bundle, defer_codec=True).scheduler.config.urgent_codec_chunks is True
+    assert make_engine(bundle, defer_codec=True).scheduler.config.urgent_codec_chunks is False
 
 
 @pytest.mark.parametrize("urgent", [False, True], ids=["deferred", "urgent-in-step"])

@@ -557,7 +557,7 @@ def test_with_deferred_delivery_a_chunk_is_urgent_only_when_its_listener_runs_dr
     thin = _waiting_chunk("thin-", 2, 1, clock, buffered_s=0.25)  # early (wants 4), holds out 0.2 s
     calm = _waiting_chunk("calm-", 3, 8, clock, buffered_s=0.05)  # on schedule: never urgent
     sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64, codec_delivery_steps=1,
-                             safety_margin_s=0.1, merge_codec_groups_below=0)
+                             safety_margin_s=0.1, merge_codec_groups_below=0, urgent_codec_chunks=True)
     sched.step_time_s = 0.05
     for slot, r in enumerate((dry, thin, calm)):
         r.codec_slot = slot

@@ -44,9 +44,9 @@ def test_scheduler_fields_are_set_from_the_command_line() -> None:
 
     costs = load_costs(None, None)
     a = args(None)
-    a.set = ["max_early_codec_rows=7", "urgent_codec_chunks=false"]
+    a.set = ["max_early_codec_rows=7", "urgent_codec_chunks=true"]
     config = Simulation(a, 8, costs).sched.config
-    assert config.max_early_codec_rows == 7 and config.urgent_codec_chunks is False
+    assert config.max_early_codec_rows == 7 and config.urgent_codec_chunks is True
     a.set = ["no_such_field=1"]
     with pytest.raises(SystemExit, match="no_such_field"):
         Simulation(a, 8, costs)
