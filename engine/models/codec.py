@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models import fused_snake
+from engine.models import fused_rope, fused_snake
+from engine.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @dataclass(frozen=True)
@@ -291,18 +292,6 @@ class SplitQuantizer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, init: float) -> None:
         super().__init__()
@@ -310,11 +299,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 class Attention(nn.Module):
@@ -335,12 +319,14 @@ class Attention(nn.Module):
         followed by the T new ones, and the cache is refreshed in place.
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if fused_rope.available(q):  # one kernel per tensor instead of about seven
+            cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)
+            q, k = fused_rope.rope(q, cos, sin).transpose(1, 2), fused_rope.rope(k, cos, sin).transpose(1, 2)
+        else:
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             assert slots is not None
             k_cache, v_cache = cache
@@ -394,20 +380,14 @@ class PreTransformer(nn.Module):
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         d = cfg.attn_head_dim
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(d, cfg.rope_theta), persistent=False)
         self.kv: list[tuple[Tensor, Tensor]] = []  # per-layer stream caches (init_streams)
-
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, x: Tensor, positions: Tensor, key_positions: Tensor, slots: Tensor | None = None) -> Tensor:
         """x [B, T, latent]; positions [B|1, T] of the queries; key_positions [B|1, K] of the keys
         attended (negative = empty). Streaming (slots given) prepends each slot's cached window."""
         h = self.input_proj(x)
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         q_pos, k_pos = positions[:, None, :, None], key_positions[:, None, None, :]
         mask = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - self.window)
         for i, layer in enumerate(self.layers):
