@@ -420,9 +420,7 @@ class Code2Wav(nn.Module):
         layers += [SnakeBeta(out_dim), CausalConv(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(layers)
         self.positions: Tensor | None = None  # per-slot frame counters (init_streams)
-        for module in self.modules():
-            if isinstance(module, (CausalConv, CausalTransConv)):
-                channels_last_weight(module.conv.weight)
+        self._lay_out_weights()
         self.quantizer.refresh()
         self.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
             lambda module, _keys: module.quantizer.refresh()
@@ -431,6 +429,12 @@ class Code2Wav(nn.Module):
     @property
     def window(self) -> int:
         return self.cfg.sliding_window
+
+    def _lay_out_weights(self) -> None:
+        """Every conv weight channels-last (again after a load that replaced the tensors)."""
+        for module in self.modules():
+            if isinstance(module, (CausalConv, CausalTransConv)):
+                channels_last_weight(module.conv.weight)
 
     def _synthesize(self, codes: Tensor, positions: Tensor, key_positions: Tensor,
                     slots: Tensor | None) -> Tensor:
@@ -454,6 +458,7 @@ class Code2Wav(nn.Module):
 
     def init_streams(self, max_slots: int) -> None:
         """Allocate the per-slot state pools for `max_slots` concurrent streams (all reset)."""
+        self._lay_out_weights()
         p = next(self.parameters())
         for module in self.modules():
             if isinstance(module, _Streamable) and module.history:

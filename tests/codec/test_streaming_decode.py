@@ -216,3 +216,18 @@ def test_snake_parameters_are_derived_once_and_again_after_the_weights_change() 
     assert not torch.allclose(first, changed)
     act(x).sum().backward()  # with autograd on, the derived values keep their graph
     assert act.alpha.grad is not None and act.beta.grad is not None
+
+
+def test_conv_weights_are_channels_last_and_stay_so_after_a_load_that_replaces_them() -> None:
+    """The layout cuDNN takes without converting: [out, in, kernel] with `in` innermost in memory."""
+    from engine.models.codec import CausalConv, Code2Wav
+    from tests.codec.conftest import tiny_tokenizer_config_dict
+
+    codec = Code2Wav(tiny_tokenizer_config_dict()["decoder_config"])
+    convs = [m.conv for m in codec.modules() if isinstance(m, CausalConv) and m.conv.kernel_size[0] > 1]
+    assert convs and all(c.weight.permute(0, 2, 1).is_contiguous() for c in convs if c.in_channels > 1)
+    state = {k: v.contiguous().clone() for k, v in codec.state_dict().items()}
+    codec.load_state_dict(state, assign=True)  # plain contiguous tensors in place of the laid-out ones
+    assert not all(c.weight.permute(0, 2, 1).is_contiguous() for c in convs if c.in_channels > 1)
+    codec.init_streams(2)
+    assert all(c.weight.permute(0, 2, 1).is_contiguous() for c in convs if c.in_channels > 1)
