@@ -21,7 +21,7 @@
 #                                                         costs, kernels and the tests before the second
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 10   # two GPUs: only the two sweeps at once, urgent
 #                                                         chunks off (the default) and on
-#   . scripts/gpu_env.sh && scripts/gpu_session.sh 11   # one GPU: the default sweep alone, then the tests
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 11   # one GPU: the default sweep alone
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -131,10 +131,9 @@ case "${1:-}" in
        run 570 e2e-urgent bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  11)  # one GPU, nothing beside it: the default sweep (start-up about 4 min), then the GPU tests
+  11)  # one GPU, nothing beside it: the default sweep (start-up about 4 min of the 10)
     sweep_setup
-    CONC="${CONC:-1,256,384,512}" run 440 e2e bash scripts/gpu_bench_e2e.sh
-    run 110 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+    POINT_SECONDS="${POINT_SECONDS:-10}" CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh
     ;;
   *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11"; exit 2 ;;
 esac
