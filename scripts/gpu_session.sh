@@ -132,8 +132,8 @@ case "${1:-}" in
     wait
     ;;
   11)  # one GPU, nothing beside it: the default sweep (start-up about 4 min of the 10)
-    sweep_setup
-    POINT_SECONDS="${POINT_SECONDS:-10}" CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh
     ;;
   *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11"; exit 2 ;;
 esac
