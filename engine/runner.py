@@ -137,6 +137,7 @@ class Runner:
         p = talker.codec_head.weight
         self.device, self.dtype = p.device, p.dtype
         dev = self.device
+        self._pin = dev.type == "cuda"  # host tensors copied to the GPU are built in pinned memory
         tc = cfg.talker
         self.groups = tc.num_code_groups
         self.eos = tc.codec_eos_id
@@ -217,10 +218,17 @@ class Runner:
     def kv_bytes_per_stream(self) -> int:
         return self.kv_bytes_per_token * (self.config.max_len + 1)
 
+    def _host(self, values: object, dtype: torch.dtype = torch.long) -> Tensor:
+        """A host tensor to copy to the GPU with non_blocking=True: pinned, so the copy never waits
+        for the stream's queued work (from pageable memory, copies over 64 KiB, such as a 64-row
+        25-frame Code2Wav chunk's codes, wait for it: the host would stop planning while the GPU
+        decodes). Pinned blocks come from PyTorch's host cache, reused only once their copy is done."""
+        return torch.tensor(values, dtype=dtype, pin_memory=self._pin)
+
     def _to_device(self, values: list[int] | list[list[int]]) -> Tensor:
         """A small long tensor on the device without waiting for the GPU (a plain
         torch.tensor(..., device=cuda) blocks until the stream's queued work is done)."""
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return self._host(values).to(self.device, non_blocking=True)
 
     # -- prompts -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -364,7 +372,7 @@ class Runner:
                     self._setup_slot(c)
             embeds = torch.stack([self._context(c)[c.start] for c in prompt_rows])
             self.d_embeds[len(rows) : n].copy_(embeds)
-        self.d_meta[:, :b].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        self.d_meta[:, :b].copy_(self._host(meta), non_blocking=True)
         self.graphs.run(("decode", b, k), self._decode_fn(b, k))
         return self.d_hidden[:n]
 
@@ -412,8 +420,8 @@ class Runner:
         pos += [[self.scratch] * t] * (r - len(chunks))
         meta = [[c.kv_slot for c in chunks] + [self.dummy] * (r - len(chunks)),
                 [c.length - 1 for c in chunks] + [0] * (r - len(chunks))]
-        self.p_pos[:r, :t].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
-        self.p_rows[:, :r].copy_(torch.tensor(meta, dtype=torch.long), non_blocking=True)
+        self.p_pos[:r, :t].copy_(self._host(pos), non_blocking=True)
+        self.p_rows[:, :r].copy_(self._host(meta), non_blocking=True)
         self.graphs.run(("prefill", r, t), self._prefill_fn(r, t))
         return self.p_hidden[: len(chunks)]
 
@@ -431,8 +439,8 @@ class Runner:
         t = max(c.length for c in chunks)
         pos = [list(range(c.start, c.start + c.length)) + [self.scratch] * (t - c.length) for c in chunks]
         embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
-        slots = torch.tensor([c.kv_slot for c in chunks], dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = self._to_device(pos)
+        slots = self._to_device([c.kv_slot for c in chunks])
         kv_len = max(c.start + c.length for c in chunks)
         out = self.talker(embeds, pos_t, self.cache, slots, kv_len)
         return torch.stack([out[i, c.length - 1] for i, c in enumerate(chunks)])
@@ -473,9 +481,9 @@ class Runner:
         forced = c.payload.forced_frames
         min_new, end_at = (forced, forced) if forced is not None else (s.min_new_tokens, s.end_at)
         ints = [s.top_k, s.sub_top_k, s.seed & SEED_MASK, min_new, end_at]
-        self.p_float[slot].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
-        self.p_int[slot].copy_(torch.tensor(ints, dtype=torch.long), non_blocking=True)
-        self.p_bool[slot].copy_(torch.tensor([s.greedy, s.sub_greedy]), non_blocking=True)
+        self.p_float[slot].copy_(self._host(floats, torch.float32), non_blocking=True)
+        self.p_int[slot].copy_(self._host(ints), non_blocking=True)
+        self.p_bool[slot].copy_(self._host([s.greedy, s.sub_greedy], torch.bool), non_blocking=True)
         self.bounded[slot] = top_k_within_bound(s.top_k, s.greedy) and top_k_within_bound(s.sub_top_k, s.sub_greedy)
         self.seen[slot] = False
         if c.codes:
@@ -490,7 +498,7 @@ class Runner:
         cols = list(zip(*meta, strict=True))
         pad = b - n
         host = [list(cols[0]) + [self.dummy] * pad, list(cols[1]) + [0] * pad, list(cols[2]) + [0] * pad]
-        self.s_meta[:, :b].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        self.s_meta[:, :b].copy_(self._host(host), non_blocking=True)
         self.s_hidden[:n].copy_(hidden)
         bounded = all(self.bounded[slot] for slot in cols[0])
         self.graphs.run(("sample", b, bounded), self._sample_fn(b, bounded))
@@ -639,8 +647,7 @@ class Runner:
             start += f
 
     def _decode_codec(self, rows: list[CodecChunk], first_lane: bool = False) -> Tensor:
-        codes = torch.tensor([c.codes for c in rows], dtype=torch.long)
-        return self._decode_frames([c.codec_slot for c in rows], codes, first_lane)
+        return self._decode_frames([c.codec_slot for c in rows], self._host([c.codes for c in rows]), first_lane)
 
     def _decode_frames(self, slot_list: list[int], codes: Tensor, first_lane: bool = False) -> Tensor:
         """Decode codes [n, F, Q] (host or device) into the n slots, through the lane's (bucket, F)
@@ -652,7 +659,7 @@ class Runner:
             return self.codec.decode_step(self._to_device(slot_list), codes.to(self.device, non_blocking=True))
         slots_buf, codes_buf, out = self._codec_buffers(b, f, first_lane)
         dummy = self.codec_dummy + int(first_lane)
-        slots_buf.copy_(torch.tensor(slot_list + [dummy] * (b - n), dtype=torch.long), non_blocking=True)
+        slots_buf.copy_(self._host(slot_list + [dummy] * (b - n)), non_blocking=True)
         codes_buf[:n].copy_(codes, non_blocking=True)
         bank.run(key, self._codec_fn(b, f, first_lane))
         return out[:n]

@@ -64,3 +64,28 @@ async def _steps_block_only_to_read(tmp_path):
                          and not (w.filename.endswith("engine/runner.py") and w.lineno in allowed)]
     assert not engine.scheduler.has_work(), "the requests should have finished"
     assert not blocking, sorted(set(blocking))
+
+
+def test_a_large_code2wav_launch_does_not_wait_for_the_gpu(tmp_path):
+    """A chunk's codes over 64 KiB copied from pageable memory would make the host wait until the
+    stream's queued work is done; from pinned memory the launch returns while the GPU is still busy."""
+    from engine.plan import CodecChunk
+    from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
+    from tests.reference_builders import build_reference_tts, load_ours
+
+    b, codec = load_ours(build_reference_tts("custom_voice", tmp_path / "tiny"), "cuda")
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, Qwen3EngineConfig(
+        max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False))
+    runner = engine.runner
+    frames = 160  # 4 rows x 160 frames x 16 codes x 8 bytes = 80 KiB
+    rows = [CodecChunk(request_id=f"r{i}", codec_slot=i, first_frame=0, codes=[[i + 1] * 16] * frames,
+                       first_chunk=False) for i in range(4)]
+    runner._decode_codec(rows)  # warm: kernels loaded, allocator primed
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the launch
+    busy = torch.cuda.Event()
+    busy.record()
+    out = runner._decode_codec(rows)
+    assert not busy.query(), "the launch waited for the GPU's queued work"
+    torch.cuda.synchronize()
+    assert out.shape == (4, frames * runner.samples_per_frame)
