@@ -87,8 +87,6 @@ def estimate_words(segment: TextSegment, start_sample: int) -> tuple[list[WordTi
     return words, cursor - start_sample
 
 
-
-
 class NullStream:
     def __init__(self, engine: NullEngine, request: SynthesisRequest, order: int) -> None:
         self.request_id = request.request_id
