@@ -206,6 +206,7 @@ class Runner:
         self.codec_states: CodecStateCache | None = (
             CodecStateCache(config.codec_state_cache_bytes) if config.codec_state_cache_bytes > 0 else None)
         self.figures = StageFigures(cuda)
+        self._launches = 0  # Code2Wav graph replays (or eager calls) in this step
         self.prefix_cache: PrefixKVCache | None = None  # voices' prompt prefixes (engine.prefix_cache)
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -296,10 +297,12 @@ class Runner:
             codes = [by_request[rid] for rid in plan.sampling_rows]
         first = self._first_audio_chunks(plan, codes)
         codec = plan.codec + first
+        self._launches = 0
         audio, delivered = self._run_codec(plan, first)
         if codec:
             fig.rows("batch_codec", len(codec))
             fig.rows("codec_frames", sum(c.num_frames for c in codec))
+            fig.rows("codec_launches", self._launches)
         fig.finish_step()
         return StepOutput(codes=codes, audio=audio, delivered=delivered)
 
@@ -654,6 +657,7 @@ class Runner:
         graph when there is one; the result may be that graph's static output."""
         n, f = len(slot_list), int(codes.shape[1])
         b = bucket_for(n, self.codec_batches) or n
+        self._launches += 1
         bank, key = (self.graphs, ("codec_first", b, f)) if first_lane else (self.codec_graphs, ("codec", b, f))
         if key not in bank.graphs:
             return self.codec.decode_step(self._to_device(slot_list), codes.to(self.device, non_blocking=True))

@@ -19,7 +19,7 @@ class StageFigures:
     def __init__(self, cuda: bool, smoothing: float = 0.1) -> None:
         self.cuda = cuda
         self.smoothing = smoothing
-        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES] + ["prefill_tokens", "codec_frames"]
+        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES] + ["prefill_tokens", "codec_frames", "codec_launches"]
         self._mean = dict.fromkeys(names, 0.0)  # every key up front: readers on other threads see a fixed dict
         self._seen: set[str] = set()
         self._open: list[tuple[str, object, object]] = []

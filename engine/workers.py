@@ -238,7 +238,7 @@ class WorkerStream:
             self.pool._forget(self.worker, self.rid)
 
 
-_MEAN_FIGURES = ("step_ms_", "batch_", "ttfa_p50", "kv_utilisation", "prefill_tokens", "codec_frames")
+_MEAN_FIGURES = ("step_ms_", "batch_", "ttfa_p50", "kv_utilisation", "prefill_tokens", "codec_frames", "codec_launches")
 
 
 def merge_worker_figures(figures: list[dict[str, float]]) -> dict[str, float]:

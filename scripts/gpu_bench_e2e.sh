@@ -31,7 +31,7 @@ else:
     raise SystemExit(1)
 PYEOF
 if [ -n "${PYSPY_AT:-}" ]; then  # sample the server's stacks (all processes) for PYSPY_FOR s, PYSPY_AT s into the load
-  (sleep "$PYSPY_AT"; py-spy record --pid $server --subprocesses --duration "${PYSPY_FOR:-15}" --rate 200 \
+  (sleep "$PYSPY_AT"; py-spy record --nonblocking --pid $server --subprocesses --duration "${PYSPY_FOR:-15}" --rate 200 \
      --format raw -o "$OUTDIR/pyspy-$tag.txt" > "$OUTDIR/pyspy-$tag.log" 2>&1) &
 fi
 timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --concurrency "$CONC" \
