@@ -10,7 +10,10 @@ of `--frames` frames open (closed loop) and consumes their chunks.
 Reported per level: steps per second against the ideal 1000 / gpu_ms, the step thread's host time
 per step (schedule + update + outputs), audio seconds delivered per second, and CPU of the worker
 process and of this one. A step interval far above gpu_ms at many streams is host overhead that a
-GPU run pays too.
+GPU run pays too. Also the hand-off latency: from the step thread's `put` of a chunk to this
+process's consumer receiving it (p50/p90/p99, ms), for every chunk and for each request's first
+chunk alone, and the step interval's p50/p90. The hand-off time rides in the first 8 bytes of the
+chunk's samples (the bench's audio is silence; both processes read the same monotonic clock).
 
     .venv/bin/python -m scripts.bench_worker_host --streams 64,256,512 --gpu-ms 30 --seconds 8
 """
@@ -25,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,23 @@ from engine.workers import WorkerPoolEngine, WorkerSpec  # noqa: E402
 PROMPT_LEN = 40
 
 
+def stamp(samples: np.ndarray) -> None:
+    """Write the hand-off time into the chunk's first 8 bytes (float64)."""
+    if samples.size >= 2:
+        samples[:2].view(np.float64)[0] = time.perf_counter()
+
+
+def stamp_of(samples: np.ndarray) -> float | None:
+    return float(samples[:2].view(np.float64)[0]) if samples.size >= 2 else None
+
+
+def percentiles_ms(values: list[float], prefix: str) -> dict[str, float]:
+    if not values:
+        return {}
+    p50, p90, p99 = np.percentile(np.asarray(values) * 1000, [50, 90, 99])
+    return {f"{prefix}_p50_ms": round(p50, 2), f"{prefix}_p90_ms": round(p90, 2), f"{prefix}_p99_ms": round(p99, 2)}
+
+
 class SleepRunner:
     """Waits out the GPU's share of a step (GIL released), then answers like the runner."""
 
@@ -53,9 +74,15 @@ class SleepRunner:
         self.gpu_s = gpu_s
         self.host_s = 0.0  # host time of the step thread outside the waits, summed
         self._last = time.perf_counter()
+        self.starts: deque[float] = deque(maxlen=100_000)  # each step's start (perf_counter)
+
+    def intervals_since(self, t: float) -> list[float]:
+        starts = np.asarray(list(self.starts))  # one C call: the step thread may append meanwhile
+        return list(np.diff(starts[starts >= t]))
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
+        self.starts.append(start)
         self.host_s += start - self._last
         time.sleep(self.gpu_s)
         codes = [[7] * 16 for _ in plan.sampling_rows]
@@ -89,7 +116,8 @@ class _Stream:
 
 
 class HostOnlyEngine:
-    def __init__(self, streams: int, gpu_ms: float) -> None:
+    def __init__(self, streams: int, gpu_ms: float, window_s: float = 0.0) -> None:
+        self.window_s = window_s  # the step-interval figures cover the last window_s seconds
         self.info = EngineInfo(name="host-only", model="none", sample_rate=24_000, voices=("default",),
                                languages=("English",), default_voice="default")
         layout = KVCacheLayout(num_slots=streams, max_len=512, bytes_per_token=1024)
@@ -108,9 +136,11 @@ class HostOnlyEngine:
 
     def load(self) -> EngineLoad:
         steps = max(1, self.core.steps)
+        extra = {"steps": float(self.core.steps), "host_ms_per_step": 1000 * self.runner.host_s / steps}
+        extra |= percentiles_ms(self.runner.intervals_since(time.perf_counter() - self.window_s), "step_interval")
         return EngineLoad(active=self.scheduler.num_active, queued=self.scheduler.num_queued,
                           capacity=self.scheduler.config.codec_slots, queue_limit=self.scheduler.config.queue_limit,
-                          extra={"steps": float(self.core.steps), "host_ms_per_step": 1000 * self.runner.host_s / steps})
+                          extra=extra)
 
     def open(self, request: SynthesisRequest) -> _Stream:
         stream = _Stream(self, request)
@@ -131,7 +161,9 @@ class HostOnlyEngine:
             if stream is None:
                 continue
             if o.audio is not None:
-                stream.channel.put(AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset))
+                samples = np.asarray(o.audio, np.float32)
+                stamp(samples)
+                stream.channel.put(AudioChunk(o.request_id, samples, o.sample_offset))
             if o.finished:
                 del self.streams[o.request_id]
                 if o.status == RequestStatus.FINISHED_STOPPED:
@@ -140,18 +172,22 @@ class HostOnlyEngine:
                     stream.channel.finish()
 
 
-def build(streams: int, gpu_ms: float, switch_interval_ms: float | None) -> HostOnlyEngine:
+def build(streams: int, gpu_ms: float, switch_interval_ms: float | None, window_s: float = 0.0) -> HostOnlyEngine:
     if switch_interval_ms:
         sys.setswitchinterval(switch_interval_ms / 1000)
-    return HostOnlyEngine(streams, gpu_ms)
+    return HostOnlyEngine(streams, gpu_ms, window_s)
 
 
 async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
-    pool = WorkerPoolEngine([WorkerSpec(functools.partial(build, streams, args.gpu_ms, args.switch_interval_ms), dict(os.environ))])
+    build_engine = functools.partial(build, streams, args.gpu_ms, args.switch_interval_ms, args.seconds)
+    pool = WorkerPoolEngine([WorkerSpec(build_engine, dict(os.environ))])
     await pool.start()
     samples = 0
     ids = iter(range(1 << 30))
     stop = asyncio.Event()
+    measuring = False
+    latencies: list[float] = []  # hand-off -> received, every stamped chunk in the window
+    first_latencies: list[float] = []  # the same, each request's first chunk
 
     async def one_client() -> None:
         nonlocal samples
@@ -159,13 +195,22 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
             stream = pool.open(SynthesisRequest(request_id=f"r{next(ids)}", forced_frames=args.frames))
             stream.push(TextSegment("Hello there.", char_start=0))
             stream.close_text()
+            first = True
             async for chunk in stream:
                 samples += chunk.samples.size
+                handed = stamp_of(chunk.samples)
+                if measuring and handed is not None:
+                    latencies.append(time.perf_counter() - handed)
+                    if first:
+                        first_latencies.append(latencies[-1])
+                first = first and handed is None
 
     clients = [asyncio.create_task(one_client()) for _ in range(streams)]
     await asyncio.sleep(args.warmup)
     before = pool.load().extra, samples, time.perf_counter(), os.times()
+    measuring = True
     await asyncio.sleep(args.seconds)
+    measuring = False
     after = pool.load().extra, samples, time.perf_counter(), os.times()
     stop.set()
     await pool.stop()
@@ -181,6 +226,10 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         "audio_s_per_s": round((after[1] - before[1]) / 24_000 / wall, 1),
         "worker_cpu_pct": round(100 * (after[0]["worker_cpu_seconds"] - before[0]["worker_cpu_seconds"]) / wall, 1),
         "this_process_cpu_pct": round(100 * (sum(after[3][:2]) - sum(before[3][:2])) / wall, 1),
+        **{k: v for k, v in after[0].items() if k.startswith("step_interval_")},
+        **percentiles_ms(latencies, "handoff"),
+        **percentiles_ms(first_latencies, "first_handoff"),
+        "first_chunks": len(first_latencies),
     }
 
 
@@ -199,6 +248,11 @@ def main() -> None:
         print(json.dumps(row))
     print("median step interval over ideal:",
           round(statistics.median(r["step_interval_ms"] / r["gpu_ms"] for r in rows), 2))
+    for row in rows:
+        print(f"{row['streams']} streams: hand-off p50/p90/p99 {row.get('handoff_p50_ms')}/{row.get('handoff_p90_ms')}/"
+              f"{row.get('handoff_p99_ms')} ms, first chunk {row.get('first_handoff_p50_ms')}/"
+              f"{row.get('first_handoff_p90_ms')}/{row.get('first_handoff_p99_ms')} ms, step interval p50/p90 "
+              f"{row.get('step_interval_p50_ms')}/{row.get('step_interval_p90_ms')} ms")
     if args.output:
         args.output.write_text(json.dumps(rows, indent=1) + "\n")
 
