@@ -3,7 +3,11 @@
 The engine thread calls `put()` / `finish()` / `fail()`; the event loop iterates. Wake-ups go
 through `loop.call_soon_threadsafe`, so the consumer sleeps until there is work. Items for all the
 channels of one loop travel through one mailbox: a step that hands out a hundred chunks wakes the
-loop once, not a hundred times (each wake-up is a write to the loop's self-pipe).
+loop once, not a hundred times (each wake-up is a write to the loop's self-pipe). A stream's first
+chunk is delivered ahead of the other streams' later ones: it is what a listener is waiting for.
+
+A consumer that forwards chunks (the engine worker process) can `listen()` instead of iterating:
+the channel then calls it on the loop as items arrive, with no task per stream.
 """
 
 from __future__ import annotations
@@ -12,11 +16,48 @@ import asyncio
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol
 
 from engine.api import AudioChunk, EngineError
 
 _END = object()
+
+
+class ChunkListener(Protocol):
+    """Takes one stream's items on its event loop, in order, in place of an iterating task."""
+
+    def chunk(self, chunk: AudioChunk) -> None: ...
+
+    def end(self) -> None:
+        """The stream ended (after a final chunk, a finish or the consumer's close)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The stream failed (the error as the engine reported it)."""
+
+
+def _hand(listener: ChunkListener, item: object) -> bool:
+    """Give one item to a listener; True when it ends the stream."""
+    if isinstance(item, AudioChunk):
+        listener.chunk(item)
+        if not item.final:
+            return False
+        listener.end()
+    elif isinstance(item, BaseException):
+        listener.fail(item)
+    else:
+        listener.end()
+    return True
+
+
+def listen(iterator: object, listener: ChunkListener) -> bool:
+    """Have the channel behind `iterator` (what a stream's `__aiter__` returned) hand its items to
+    `listener`; False when it is not one of this module's channels (then iterate it)."""
+    channel = iterator.channel if isinstance(iterator, _ChannelIterator) else iterator
+    if isinstance(channel, ChunkChannel | LoopChunkChannel):
+        channel.listen(listener)
+        return True
+    return False
 
 
 class _Mailbox:
@@ -55,6 +96,9 @@ class _Mailbox:
         with self._lock:
             items, self._items = self._items, []
             self._wake_pending = False
+        fresh = [pair for pair in items if not pair[0]._started]
+        if fresh and len(fresh) < len(items):  # first chunks first (each with what follows it)
+            items = fresh + [pair for pair in items if pair[0]._started]
         for channel, item in items:
             channel._push(item)
 
@@ -69,6 +113,8 @@ class ChunkChannel:
         self._items: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        self._started = False  # an item was delivered (the mailbox puts first items first)
+        self._listener: ChunkListener | None = None
 
     # -- producer side (any thread) --------------------------------------------------------
     def put(self, chunk: AudioChunk) -> None:
@@ -84,22 +130,42 @@ class ChunkChannel:
     def _push(self, item: object) -> None:
         if self._closed:
             return
+        self._started = True
+        if self._listener is not None:
+            self._closed = _hand(self._listener, item)
+            return
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def close(self) -> None:
         """Consumer gives up: drop what is queued and end iteration."""
+        if self._listener is not None:
+            if not self._closed:
+                self._listener.end()
+            self._closed = True
+            return
         self._closed = True
         self._items.clear()
         self._items.append(_END)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def listen(self, listener: ChunkListener) -> None:
+        """Hand items to `listener` from now on (what is queued first), instead of iterating."""
+        self._listener = listener
+        while self._items:
+            if _hand(listener, self._items.popleft()):
+                self._closed = True
+                self._items.clear()
+
     def pending(self) -> int:
         return len(self._items)
 
-    async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+    def __aiter__(self) -> _ChannelIterator:
+        return _ChannelIterator(self)
+
+    async def _iterate(self) -> AsyncIterator[AudioChunk]:
         while True:
             while not self._items:
                 self._waiter = self._loop.create_future()
@@ -120,6 +186,22 @@ class ChunkChannel:
                 return
 
 
+class _ChannelIterator:
+    """What `ChunkChannel.__aiter__` returns: iterates the channel, and lets `listen` find it."""
+
+    def __init__(self, channel: ChunkChannel) -> None:
+        self.channel = channel
+        self._items: AsyncIterator[AudioChunk] | None = None
+
+    def __aiter__(self) -> _ChannelIterator:
+        return self
+
+    def __anext__(self) -> Awaitable[AudioChunk]:
+        if self._items is None:
+            self._items = self.channel._iterate()
+        return self._items.__anext__()
+
+
 _LOOP_END = None  # in a LoopChunkChannel: the end of the chunks
 
 
@@ -135,6 +217,7 @@ class LoopChunkChannel:
         self._waiter: asyncio.Future[AudioChunk] | None = None
         self._closed = False  # the consumer gave up: nothing more is queued
         self._ended = False  # the end (or an error) was handed out
+        self._listener: ChunkListener | None = None
 
     def put(self, chunk: AudioChunk) -> None:
         self._push(chunk)
@@ -150,8 +233,19 @@ class LoopChunkChannel:
         self._push(_LOOP_END)
         self._closed = True
 
+    def listen(self, listener: ChunkListener) -> None:
+        """Hand items to `listener` from now on (what is queued first), instead of iterating."""
+        self._listener = listener
+        while self._items:
+            if _hand(listener, self._items.popleft()):
+                self._closed = True
+                self._items.clear()
+
     def _push(self, item: AudioChunk | BaseException | None) -> None:
         if self._closed:
+            return
+        if self._listener is not None:
+            self._closed = _hand(self._listener, item)
             return
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.api import AudioChunk, EngineError
-from engine.bridge import ChunkChannel
+from engine.bridge import ChunkChannel, LoopChunkChannel, listen
 
 
 def chunk(rid: str, offset: int) -> AudioChunk:
@@ -85,3 +85,91 @@ def test_a_put_after_the_loop_closed_is_dropped_without_raising() -> None:
     loop.close()
     ch.put(chunk("a", 0))  # the engine thread must not die because its consumer's loop is gone
     ch.finish()
+
+
+class Recorder:
+    """A ChunkListener that logs every item of every channel it listens to, in one order."""
+
+    def __init__(self, log: list[tuple[str, object]], name: str) -> None:
+        self.log, self.name = log, name
+
+    def chunk(self, chunk: AudioChunk) -> None:
+        self.log.append((self.name, chunk.sample_offset))
+
+    def end(self) -> None:
+        self.log.append((self.name, "end"))
+
+    def fail(self, error: BaseException) -> None:
+        self.log.append((self.name, f"fail: {error}"))
+
+
+def on_thread(fn) -> None:  # type: ignore[no-untyped-def]
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()  # the loop did not run meanwhile: everything waits in the mailbox
+
+
+async def test_a_first_chunk_posted_after_later_chunks_of_other_streams_is_delivered_first() -> None:
+    log: list[tuple[str, object]] = []
+    a, b, c = ChunkChannel(), ChunkChannel(), ChunkChannel()
+    for name, ch in zip("abc", (a, b, c), strict=True):
+        listen(ch.__aiter__(), Recorder(log, name))
+    on_thread(lambda: (a.put(chunk("a", 0)), b.put(chunk("b", 0))))
+    await asyncio.sleep(0)
+    log.clear()  # a and b are under way; c's first chunks come last in the next step
+    on_thread(lambda: (a.put(chunk("a", 4)), b.put(chunk("b", 4)), c.put(chunk("c", 0)), a.put(chunk("a", 8)),
+                       c.put(chunk("c", 4)), b.finish()))
+    await asyncio.sleep(0)
+    assert log == [("c", 0), ("c", 4), ("a", 4), ("b", 4), ("a", 8), ("b", "end")]
+
+
+async def test_first_chunks_also_wake_iterating_consumers_first() -> None:
+    order: list[str] = []
+    old, new = ChunkChannel(), ChunkChannel()
+    on_thread(lambda: old.put(chunk("old", 0)))
+    old_items = old.__aiter__()
+    await old_items.__anext__()
+
+    async def consume(name: str, items) -> None:  # type: ignore[no-untyped-def]
+        async for _ in items:
+            order.append(name)
+
+    tasks = [asyncio.create_task(consume("old", old_items)), asyncio.create_task(consume("new", new))]
+    await asyncio.sleep(0)  # both wait
+    on_thread(lambda: (old.put(chunk("old", 4)), new.put(chunk("new", 0)), old.finish(), new.finish()))
+    await asyncio.gather(*tasks)
+    assert order == ["new", "old"]
+
+
+async def test_a_listener_gets_what_was_queued_then_the_rest_and_one_end_after_a_final_chunk() -> None:
+    log: list[tuple[str, object]] = []
+    ch = ChunkChannel()
+    on_thread(lambda: ch.put(chunk("a", 0)))
+    await asyncio.sleep(0)  # queued: nobody iterates yet
+    listen(ch.__aiter__(), Recorder(log, "a"))
+    on_thread(lambda: (ch.put(chunk("a", 4)), ch.put(AudioChunk("a", np.zeros(0, np.float32), 8, final=True)),
+                       ch.put(chunk("a", 12)), ch.finish()))
+    await asyncio.sleep(0)
+    assert log == [("a", 0), ("a", 4), ("a", 8), ("a", "end")]
+    ch.close()  # a cancel after the end hands out nothing more
+    assert log[-1] == ("a", "end") and len(log) == 4
+
+
+async def test_a_listener_gets_a_failure_after_the_chunks_before_it_and_an_end_on_close() -> None:
+    log: list[tuple[str, object]] = []
+    failing, closed = ChunkChannel(), LoopChunkChannel()
+    listen(failing.__aiter__(), Recorder(log, "f"))
+    listen(closed.__aiter__(), Recorder(log, "c"))
+    on_thread(lambda: (failing.put(chunk("f", 0)), failing.fail(EngineError("gpu fell over")), failing.put(chunk("f", 4))))
+    closed.put(chunk("c", 0))
+    await asyncio.sleep(0)
+    closed.close()
+    closed.put(chunk("c", 4))
+    assert log == [("c", 0), ("f", 0), ("f", "fail: gpu fell over"), ("c", "end")]
+
+
+async def test_listen_declines_an_iterator_that_is_not_a_channel() -> None:
+    async def chunks():  # type: ignore[no-untyped-def]
+        yield chunk("a", 0)
+
+    assert not listen(chunks(), Recorder([], "a"))
