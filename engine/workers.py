@@ -8,6 +8,11 @@ segments, close/cancel, and audio chunks back; the engine's steps stay inside th
 A worker that dies fails only the requests it held (their iteration raises EngineError); the pool
 starts a replacement, registers the known voices with it, and keeps serving on the others
 meanwhile (load().ready stays true while any worker lives).
+
+Audio crosses the pipe out of band: a "batch" message carries each chunk's fields and the number
+of audio bytes that follow it, raw, in the chunks' order (written straight from the arrays,
+read into one reused buffer): no pickling of sample arrays. Each stream's first chunk leaves in a
+batch of its own ahead of the loop pass's other messages.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from engine.api import (
     TextSegment,
     UnknownVoice,
 )
-from engine.bridge import LoopChunkChannel
+from engine.bridge import LoopChunkChannel, listen
 
 log = logging.getLogger("cadence.workers")
 
@@ -71,6 +76,81 @@ def error_from_wire(code: str, message: str, retry_after_s: float) -> EngineErro
     return _ERRORS.get(code, EngineError)(message)
 
 
+# -- audio on the wire --------------------------------------------------------------------------
+_IOV_MAX = 1024  # buffers per writev call (Linux's IOV_MAX)
+
+
+def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[memoryview]]:
+    """A batch's messages with each chunk's samples taken out, and those samples' bytes in order."""
+    wire: list[tuple[Any, ...]] = []
+    audio: list[memoryview] = []
+    for message in messages:
+        if message[0] != "chunk":
+            wire.append(message)
+            continue
+        _, rid, chunk = message
+        samples = np.ascontiguousarray(chunk.samples, np.float32)
+        wire.append(("chunk", rid, chunk.request_id, samples.size, chunk.sample_offset, chunk.words, chunk.final))
+        if samples.size:
+            audio.append(samples.data.cast("B"))
+    return wire, audio
+
+
+def write_all(fd: int, buffers: list[memoryview]) -> None:
+    """Write the buffers in order (blocking fd), as few system calls as the pipe allows."""
+    start = 0
+    while start < len(buffers):
+        written = os.writev(fd, buffers[start:start + _IOV_MAX])
+        while written:
+            head = buffers[start]
+            if written < len(head):
+                buffers[start] = head[written:]
+                break
+            written -= len(head)
+            start += 1
+
+
+class AudioReader:
+    """Reads a batch's audio into one buffer kept from batch to batch, and rebuilds its chunks."""
+
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, np.float32)
+
+    def read(self, fd: int, wire: list[tuple[Any, ...]], nbytes: int) -> list[tuple[Any, ...]]:
+        if self.buffer.nbytes < nbytes:
+            self.buffer = np.empty(nbytes // 4 + (1 << 18), np.float32)
+        view = self.buffer.data.cast("B")[:nbytes]
+        while view:
+            got = os.readv(fd, [view])
+            if not got:
+                raise EOFError
+            view = view[got:]
+        messages: list[tuple[Any, ...]] = []
+        at = 0
+        for message in wire:
+            if message[0] == "chunk":
+                _, rid, request_id, size, offset, words, final = message
+                samples = self.buffer[at:at + size].copy()  # the chunk owns its samples
+                at += size
+                message = ("chunk", rid, AudioChunk(request_id, samples, offset, words, final))
+            messages.append(message)
+        return messages
+
+
+def receive(conn: Connection, reader: AudioReader) -> tuple[Any, ...]:
+    """The next message from a worker, a batch's chunks with their audio."""
+    message = conn.recv()
+    if message[0] == "batch":
+        _, wire, nbytes = message
+        return ("batch", reader.read(conn.fileno(), wire, nbytes) if nbytes else _no_audio(wire))
+    return tuple(message)
+
+
+def _no_audio(wire: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [("chunk", m[1], AudioChunk(m[2], np.zeros(0, np.float32), m[4], m[5], m[6])) if m[0] == "chunk" else m
+            for m in wire]
+
+
 # -- the worker process -------------------------------------------------------------------------
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process."""
@@ -86,6 +166,8 @@ class _WorkerLoop:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopped = asyncio.Event()
         self.outbox: list[tuple[object, ...]] = []  # messages of this loop pass, sent as one batch
+        self.firsts: list[tuple[object, ...]] = []  # this pass's first chunks, sent ahead of the outbox
+        self.flush_pending = False
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -101,17 +183,28 @@ class _WorkerLoop:
         with contextlib.suppress(OSError):
             self.send("stopped")
 
-    def post(self, *message: object) -> None:
+    def post(self, *message: object, first: bool = False) -> None:
         """Send with the other messages of this loop pass: a step's chunks for many streams cross
-        the pipe as one pickle and one write, in the order they were posted."""
-        if not self.outbox:
+        the pipe as one batch, in the order they were posted; `first` chunks in a batch before it."""
+        if not self.flush_pending:
+            self.flush_pending = True
             asyncio.get_running_loop().call_soon(self._flush)
-        self.outbox.append(message)
+        (self.firsts if first else self.outbox).append(message)
 
     def _flush(self) -> None:
-        if self.outbox:
-            batch, self.outbox = self.outbox, []
-            self.send("batch", batch)
+        self.flush_pending = False
+        for batch in (self.firsts, self.outbox):
+            if batch:
+                self._send_batch(batch)
+        self.firsts, self.outbox = [], []
+
+    def _send_batch(self, batch: list[tuple[object, ...]]) -> None:
+        wire, audio = to_wire(batch)
+        self.send("batch", wire, sum(len(b) for b in audio))
+        try:
+            write_all(self.conn.fileno(), audio)
+        except (OSError, ValueError):
+            os._exit(0)
 
     def send(self, *message: object) -> None:
         try:
@@ -145,7 +238,9 @@ class _WorkerLoop:
                 self.post("fail", rid, *error_to_wire(exc))
                 return
             self.streams[rid] = stream
-            self._spawn(self._pump(rid, stream))
+            out, chunks = _StreamOut(self, rid), aiter(stream)
+            if not listen(chunks, out):
+                self._spawn(self._pump(out, chunks))
         elif op in ("push", "close_text", "cancel"):
             stream = self.streams.get(args[0])
             if stream is None:
@@ -169,15 +264,15 @@ class _WorkerLoop:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _pump(self, rid: int, stream: Any) -> None:
+    @staticmethod
+    async def _pump(out: _StreamOut, chunks: AsyncIterator[AudioChunk]) -> None:
+        """For a stream that is not one of engine.bridge's channels."""
         try:
-            async for chunk in stream:
-                self.post("chunk", rid, chunk)
-            self.post("end", rid)
+            async for chunk in chunks:
+                out.chunk(chunk)
+            out.end()
         except Exception as exc:
-            self.post("fail", rid, *error_to_wire(exc))
-        finally:
-            self.streams.pop(rid, None)
+            out.fail(exc)
 
     async def _register(self, call_id: int, voice_id: str, audio: Any, rate: int, text: str | None) -> None:
         try:
@@ -185,6 +280,27 @@ class _WorkerLoop:
             self.post("reply", call_id, None)
         except Exception as exc:
             self.post("reply", call_id, error_to_wire(exc))
+
+
+class _StreamOut:
+    """Posts one stream's chunks as its channel hands them over, on the worker's loop."""
+
+    __slots__ = ("worker", "rid", "first")
+
+    def __init__(self, worker: _WorkerLoop, rid: int) -> None:
+        self.worker, self.rid, self.first = worker, rid, True
+
+    def chunk(self, chunk: AudioChunk) -> None:
+        self.worker.post("chunk", self.rid, chunk, first=self.first)
+        self.first = False
+
+    def end(self) -> None:
+        self.worker.post("end", self.rid)
+        self.worker.streams.pop(self.rid, None)
+
+    def fail(self, error: BaseException) -> None:
+        self.worker.post("fail", self.rid, *error_to_wire(error))
+        self.worker.streams.pop(self.rid, None)
 
 
 # -- the gateway side ---------------------------------------------------------------------------
@@ -326,9 +442,10 @@ class WorkerPoolEngine:
     # -- the pipe's reader thread -------------------------------------------------------------
     def _read(self, worker: _Worker) -> None:
         assert self._loop is not None
+        reader = AudioReader()
         while True:
             try:
-                message = worker.conn.recv()
+                message = receive(worker.conn, reader)
             except (EOFError, OSError):
                 break
             except Exception:  # a message that cannot be unpickled: treat the worker as broken

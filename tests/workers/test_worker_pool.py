@@ -6,17 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 import pytest
 
 from cadence.engines import EngineOptions, build_engine
 from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice
-from engine.workers import WorkerPoolEngine, WorkerSpec
+from engine.bridge import LoopChunkChannel
+from engine.workers import (
+    AudioReader,
+    WorkerPoolEngine,
+    WorkerSpec,
+    _StreamOut,
+    _Worker,
+    _WorkerLoop,
+    receive,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -141,34 +154,63 @@ async def test_a_dying_worker_fails_only_its_own_requests() -> None:
         await pool.stop()
 
 
-async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_as_one_batch_in_order() -> None:
-    from engine.workers import WorkerPoolEngine, _Worker, _WorkerLoop
+def received(conn: Connection, reader: AudioReader) -> list[tuple[Any, ...]]:
+    """The batches waiting on the gateway's end of the pipe."""
+    batches = []
+    while conn.poll(0.5):
+        message = receive(conn, reader)
+        assert message[0] == "batch"
+        batches.append(message)
+    return batches
 
-    class Pipe:
-        def __init__(self) -> None:
-            self.sent: list[tuple[object, ...]] = []
 
-        def send(self, message: tuple[object, ...]) -> None:
-            self.sent.append(message)
-
-    pipe = Pipe()
-    loop = _WorkerLoop(pipe, WorkerSpec(lambda: None))  # type: ignore[arg-type]
-    chunks = [AudioChunk(f"u{i % 3}", np.zeros(8, np.float32), 8 * i) for i in range(9)]
+async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_chunks_ahead() -> None:
+    gateway_end, worker_end = mp.Pipe()
+    loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
+    outs = [_StreamOut(loop, rid) for rid in range(3)]
+    outs[0].first = outs[1].first = False  # streams 0 and 1 are under way; 2 starts in this pass
+    chunks = [AudioChunk(f"u{i % 3}", np.arange(8, dtype=np.float32) + i, 8 * i) for i in range(9)]
     for i, c in enumerate(chunks):
-        loop.post("chunk", i % 3, c)
-    loop.post("end", 0)
-    assert pipe.sent == []  # nothing leaves before the loop pass ends
+        outs[i % 3].chunk(c)
+    outs[0].end()
+    outs[1].fail(EngineError("gone"))
+    assert not gateway_end.poll()  # nothing leaves before the loop pass ends
     await asyncio.sleep(0)
-    assert len(pipe.sent) == 1 and pipe.sent[0][0] == "batch"
-    batch = pipe.sent[0][1]
-    assert [m[0] for m in batch] == ["chunk"] * 9 + ["end"]
-    assert [m[2].sample_offset for m in batch[:9]] == [c.sample_offset for c in chunks]
+    reader = AudioReader()
+    batches = received(gateway_end, reader)
+    assert len(batches) == 2  # stream 2's first chunk alone, then the rest in the order posted
+    assert [(m[1], m[2].sample_offset) for m in batches[0][1]] == [(2, 16)]
+    rest = batches[1][1]
+    assert [m[0] for m in rest] == ["chunk"] * 8 + ["end", "fail"]
+    assert [m[2].sample_offset for m in rest[:8]] == [c.sample_offset for i, c in enumerate(chunks) if i != 2]
+    for m in batches[0][1] + rest[:8]:  # each chunk's own samples, in a writable array of its own
+        np.testing.assert_array_equal(m[2].samples, chunks[m[2].sample_offset // 8].samples)
+        assert m[2].samples.flags.writeable and m[2].samples.base is None
 
     # the gateway side takes a batch apart in order
     pool = WorkerPoolEngine([WorkerSpec(lambda: None)])  # type: ignore[arg-type]
-    from engine.bridge import LoopChunkChannel
-
     channel = LoopChunkChannel()
     pool._channels[0] = channel
-    pool._on_message(_Worker(0, None, None, 1), pipe.sent[0])  # type: ignore[arg-type]
+    pool._on_message(_Worker(0, None, None, 1), batches[1])  # type: ignore[arg-type]
     assert [c.sample_offset async for c in channel] == [0, 24, 48]
+
+
+async def test_a_batch_larger_than_the_pipe_and_one_without_audio_arrive_whole() -> None:
+    gateway_end, worker_end = mp.Pipe()
+    loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
+    big = [AudioChunk("u", np.random.default_rng(i).random(48_000, np.float32), i) for i in range(40)]
+    reader = AudioReader()
+    got: list[tuple[Any, ...]] = []
+    thread = threading.Thread(target=lambda: got.extend(received(gateway_end, reader)))
+    thread.start()  # 7.7 MB: the worker's write waits for the reader
+    for c in big:
+        loop.post("chunk", 0, c)
+    loop.post("chunk", 0, AudioChunk("u", np.zeros(0, np.float32), 40, final=True))
+    await asyncio.sleep(0)
+    loop.post("chunk", 1, AudioChunk("v", np.zeros(0, np.float32), 0, final=True))
+    await asyncio.sleep(0)
+    thread.join()
+    assert len(got) == 2
+    assert all(np.array_equal(m[2].samples, c.samples) for m, c in zip(got[0][1], big, strict=False))
+    assert got[0][1][-1][2].final and got[0][1][-1][2].samples.size == 0
+    assert got[1][1][0][2].request_id == "v" and got[1][1][0][2].final
