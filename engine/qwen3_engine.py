@@ -295,6 +295,7 @@ class Qwen3Engine:
                 figures["ttfa_p50_ms"] = 1000 * ttfa  # engine side: arrival to first decoded chunk, last minute
             figures["ttfa_samples"] = float(s.ttfa_samples)
             figures["requests_finished"] = float(s.finished)
+            figures.update(s.leads.snapshot(s.clock()))
             return s.num_active, s.num_queued, figures
 
         active, queued, kv = self.core.run_locked(snapshot)  # type: ignore[misc]

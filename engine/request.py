@@ -81,6 +81,7 @@ class Request:
     frames_launched: int = 0  # frames handed to Code2Wav (their audio may still be on its way)
     chunks_emitted: int = 0  # chunks handed to Code2Wav
     first_audio_time: float | None = None
+    min_lead_s: float = float("inf")  # smallest lead of a later chunk (engine.delivery_leads)
     preemptions: int = 0
     error: str | None = None
     next_chunk_index: int = -1  # the chunk whose size next_chunk_frames holds (scheduler's memo)

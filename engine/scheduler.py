@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.delivery_leads import DeliveryLeads
 from engine.kv_cache import KVCacheManager, SlotPool
 from engine.plan import (
     CodecChunk,
@@ -141,6 +142,7 @@ class Scheduler:
         self.ttfa_window_s = 60.0
         self._ttfas: deque[tuple[float, float]] = deque()  # (time of first audio, TTFA) over the window
         self._targets: dict[tuple[ChunkSchedule, int], int] = {}  # (schedule, chunk index) -> frames
+        self.leads = DeliveryLeads()
         self.finished = 0  # requests ended, any status
 
     # -- inputs (called between steps) -------------------------------------------------------
@@ -315,6 +317,10 @@ class Scheduler:
             if o.audio is None:  # a stream's deferred chunk and an urgent one share one output
                 o.sample_offset = r.samples_emitted
                 o.audio = output.audio.get(rid)
+            if r.first_audio_time is not None:  # a later chunk: its lead on the playback clock
+                lead = r.first_audio_time + r.frames_decoded * FRAME_S - now
+                self.leads.chunk(now, lead)
+                r.min_lead_s = min(r.min_lead_s, lead)
             r.frames_decoded += frames
             if r.first_audio_time is None:
                 r.first_audio_time = now
@@ -482,6 +488,8 @@ class Scheduler:
             self.codec_pool.free(r.codec_slot)
             r.codec_slot = None
         r.status = status
+        if status == RequestStatus.FINISHED_STOPPED:
+            self.leads.stream_done(self.clock(), r.min_lead_s)
         self.requests.pop(r.request_id, None)
         self.finished += 1
         return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
