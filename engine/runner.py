@@ -205,7 +205,7 @@ class Runner:
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
         self.codec_states: CodecStateCache | None = (
             CodecStateCache(config.codec_state_cache_bytes) if config.codec_state_cache_bytes > 0 else None)
-        self.figures = StageFigures(cuda)
+        self.figures = StageFigures(cuda, one_stream=self.codec_stream is None)
         self._launches = 0  # Code2Wav graph replays (or eager calls) in this step
         self.prefix_cache: PrefixKVCache | None = None  # voices' prompt prefixes (engine.prefix_cache)
 

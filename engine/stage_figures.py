@@ -16,24 +16,34 @@ class StageFigures:
     have reached the host (no extra synchronisation); on the CPU by the wall clock.
     """
 
-    def __init__(self, cuda: bool, smoothing: float = 0.1) -> None:
+    def __init__(self, cuda: bool, smoothing: float = 0.1, one_stream: bool = True) -> None:
         self.cuda = cuda
         self.smoothing = smoothing
-        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES] + ["prefill_tokens", "codec_frames", "codec_launches"]
+        names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES]
+        names += ["prefill_tokens", "codec_frames", "codec_launches", "step_ms_gpu_gaps"]
         self._mean = dict.fromkeys(names, 0.0)  # every key up front: readers on other threads see a fixed dict
         self._seen: set[str] = set()
         self._open: list[tuple[str, object, object]] = []
+        # every stage on one CUDA stream: the time from one stage's end to the next one's start is
+        # the GPU waiting for the host (or running small untimed work: prompt embeddings, copies)
+        self.gaps = cuda and one_stream
+        self._last_stop: object = None
         self.steps = 0
 
     def start(self) -> object:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
+            if self.gaps and self._last_stop is not None:
+                self._open.append(("gpu_gaps", self._last_stop, event))
+                self._last_stop = None
             return event
         return time.perf_counter()
 
     def stop(self, stage: str, started: object) -> None:
-        self._open.append((stage, started, self.start()))
+        ended = self.start()
+        self._open.append((stage, started, ended))
+        self._last_stop = ended
 
     def rows(self, name: str, value: float) -> None:
         self._update(name, value)
@@ -42,6 +52,7 @@ class StageFigures:
         """Fold in the stage times whose work is done; work still running on the GPU (Code2Wav
         chunks collected next step) is folded in by a later step, without waiting for it here."""
         running = []
+        gaps: float | None = None  # the gaps resolved now: about one step's worth
         for stage, a, b in self._open:
             if self.cuda:
                 if not b.query():  # type: ignore[attr-defined]
@@ -50,7 +61,12 @@ class StageFigures:
                 ms = float(a.elapsed_time(b))  # type: ignore[attr-defined]
             else:
                 ms = 1000 * (float(b) - float(a))  # type: ignore[arg-type]
-            self._update(f"step_ms_{stage}", ms)
+            if stage == "gpu_gaps":
+                gaps = (gaps or 0.0) + ms
+            else:
+                self._update(f"step_ms_{stage}", ms)
+        if gaps is not None:
+            self._update("step_ms_gpu_gaps", gaps)
         self._open = running
         self.steps += 1
 
