@@ -11,7 +11,7 @@ meanwhile (load().ready stays true while any worker lives).
 
 Audio crosses the pipe out of band: a "batch" message carries each chunk's fields and the number
 of audio bytes that follow it, raw, in the chunks' order (written straight from the arrays,
-read into one reused buffer): no pickling of sample arrays. Each stream's first chunk leaves in a
+read straight into each chunk's own array): no pickling of sample arrays. Each stream's first chunk leaves in a
 batch of its own ahead of the loop pass's other messages.
 """
 
@@ -23,6 +23,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -98,57 +99,65 @@ def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], lis
 
 def write_all(fd: int, buffers: list[memoryview]) -> None:
     """Write the buffers in order (blocking fd), as few system calls as the pipe allows."""
+    _transfer(os.writev, fd, buffers)
+
+
+def read_all(fd: int, buffers: list[memoryview]) -> None:
+    """Fill the buffers in order from a blocking fd (EOFError when it closes first)."""
+    _transfer(os.readv, fd, buffers)
+
+
+def _transfer(call: Callable[[int, list[memoryview]], int], fd: int, buffers: list[memoryview]) -> None:
     start = 0
     while start < len(buffers):
-        written = os.writev(fd, buffers[start:start + _IOV_MAX])
-        while written:
+        done = call(fd, buffers[start:start + _IOV_MAX])
+        if not done:
+            raise EOFError
+        while done:
             head = buffers[start]
-            if written < len(head):
-                buffers[start] = head[written:]
+            if done < len(head):
+                buffers[start] = head[done:]
                 break
-            written -= len(head)
+            done -= len(head)
             start += 1
 
 
-class AudioReader:
-    """Reads a batch's audio into one buffer kept from batch to batch, and rebuilds its chunks."""
-
-    def __init__(self) -> None:
-        self.buffer = np.empty(0, np.float32)
-
-    def read(self, fd: int, wire: list[tuple[Any, ...]], nbytes: int) -> list[tuple[Any, ...]]:
-        if self.buffer.nbytes < nbytes:
-            self.buffer = np.empty(nbytes // 4 + (1 << 18), np.float32)
-        view = self.buffer.data.cast("B")[:nbytes]
-        while view:
-            got = os.readv(fd, [view])
-            if not got:
-                raise EOFError
-            view = view[got:]
-        messages: list[tuple[Any, ...]] = []
-        at = 0
-        for message in wire:
-            if message[0] == "chunk":
-                _, rid, request_id, size, offset, words, final = message
-                samples = self.buffer[at:at + size].copy()  # the chunk owns its samples
-                at += size
-                message = ("chunk", rid, AudioChunk(request_id, samples, offset, words, final))
-            messages.append(message)
-        return messages
+PIPE_BUFFER_BYTES = 8 << 20  # a step's audio in one or two writes (the kernel may allow less)
 
 
-def receive(conn: Connection, reader: AudioReader) -> tuple[Any, ...]:
+def widen(conn: Connection) -> None:
+    """Let a step's batch pass in few system calls: each call of a large blocking transfer takes
+    the GIL back when it returns, and waits for it while another thread holds it."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, PIPE_BUFFER_BYTES)
+
+
+def read_chunks(fd: int, wire: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A batch's messages with its chunks rebuilt, their samples read from the fd straight into
+    arrays of their own (one scattered read, no copy after it)."""
+    messages: list[tuple[Any, ...]] = []
+    buffers: list[memoryview] = []
+    for message in wire:
+        if message[0] == "chunk":
+            _, rid, request_id, size, offset, words, final = message
+            samples = np.empty(size, np.float32)
+            if size:
+                buffers.append(samples.data.cast("B"))
+            message = ("chunk", rid, AudioChunk(request_id, samples, offset, words, final))
+        messages.append(message)
+    read_all(fd, buffers)
+    return messages
+
+
+def receive(conn: Connection) -> tuple[Any, ...]:
     """The next message from a worker, a batch's chunks with their audio."""
     message = conn.recv()
     if message[0] == "batch":
-        _, wire, nbytes = message
-        return ("batch", reader.read(conn.fileno(), wire, nbytes) if nbytes else _no_audio(wire))
+        return ("batch", read_chunks(conn.fileno(), message[1]))
     return tuple(message)
-
-
-def _no_audio(wire: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    return [("chunk", m[1], AudioChunk(m[2], np.zeros(0, np.float32), m[4], m[5], m[6])) if m[0] == "chunk" else m
-            for m in wire]
 
 
 # -- the worker process -------------------------------------------------------------------------
@@ -200,7 +209,7 @@ class _WorkerLoop:
 
     def _send_batch(self, batch: list[tuple[object, ...]]) -> None:
         wire, audio = to_wire(batch)
-        self.send("batch", wire, sum(len(b) for b in audio))
+        self.send("batch", wire)
         try:
             write_all(self.conn.fileno(), audio)
         except (OSError, ValueError):
@@ -234,12 +243,13 @@ class _WorkerLoop:
             rid, request = args
             try:
                 stream = self.engine.open(request)
+                chunks = aiter(stream)
             except Exception as exc:
                 self.post("fail", rid, *error_to_wire(exc))
                 return
             self.streams[rid] = stream
-            out, chunks = _StreamOut(self, rid), aiter(stream)
-            if not listen(chunks, out):
+            out = _StreamOut(self, rid)
+            if not listen(chunks, out):  # a stream of another kind: a task forwards it
                 self._spawn(self._pump(out, chunks))
         elif op in ("push", "close_text", "cancel"):
             stream = self.streams.get(args[0])
@@ -419,6 +429,7 @@ class WorkerPoolEngine:
     async def _start_worker(self, index: int) -> EngineInfo:
         assert self._loop is not None
         parent, child = self._context.Pipe(duplex=True)
+        widen(parent), widen(child)
         process = self._context.Process(target=worker_main, args=(child, self.specs[index]),
                                         name=f"cadence-{self.specs[index].name}", daemon=True)
         process.start()
@@ -442,10 +453,9 @@ class WorkerPoolEngine:
     # -- the pipe's reader thread -------------------------------------------------------------
     def _read(self, worker: _Worker) -> None:
         assert self._loop is not None
-        reader = AudioReader()
         while True:
             try:
-                message = receive(worker.conn, reader)
+                message = receive(worker.conn)
             except (EOFError, OSError):
                 break
             except Exception:  # a message that cannot be unpickled: treat the worker as broken

@@ -22,7 +22,6 @@ from cadence.engines import EngineOptions, build_engine
 from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice
 from engine.bridge import LoopChunkChannel
 from engine.workers import (
-    AudioReader,
     WorkerPoolEngine,
     WorkerSpec,
     _StreamOut,
@@ -154,11 +153,11 @@ async def test_a_dying_worker_fails_only_its_own_requests() -> None:
         await pool.stop()
 
 
-def received(conn: Connection, reader: AudioReader) -> list[tuple[Any, ...]]:
+def received(conn: Connection) -> list[tuple[Any, ...]]:
     """The batches waiting on the gateway's end of the pipe."""
     batches = []
     while conn.poll(0.5):
-        message = receive(conn, reader)
+        message = receive(conn)
         assert message[0] == "batch"
         batches.append(message)
     return batches
@@ -176,8 +175,7 @@ async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_ch
     outs[1].fail(EngineError("gone"))
     assert not gateway_end.poll()  # nothing leaves before the loop pass ends
     await asyncio.sleep(0)
-    reader = AudioReader()
-    batches = received(gateway_end, reader)
+    batches = received(gateway_end)
     assert len(batches) == 2  # stream 2's first chunk alone, then the rest in the order posted
     assert [(m[1], m[2].sample_offset) for m in batches[0][1]] == [(2, 16)]
     rest = batches[1][1]
@@ -198,10 +196,10 @@ async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_ch
 async def test_a_batch_larger_than_the_pipe_and_one_without_audio_arrive_whole() -> None:
     gateway_end, worker_end = mp.Pipe()
     loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
-    big = [AudioChunk("u", np.random.default_rng(i).random(48_000, np.float32), i) for i in range(40)]
-    reader = AudioReader()
+    sizes = [0 if i % 7 == 3 else 48_000 + 17 * i for i in range(40)]  # some words-only chunks among them
+    big = [AudioChunk("u", np.random.default_rng(i).random(n, np.float32), i) for i, n in enumerate(sizes)]
     got: list[tuple[Any, ...]] = []
-    thread = threading.Thread(target=lambda: got.extend(received(gateway_end, reader)))
+    thread = threading.Thread(target=lambda: got.extend(received(gateway_end)))
     thread.start()  # 7.7 MB: the worker's write waits for the reader
     for c in big:
         loop.post("chunk", 0, c)
@@ -211,6 +209,31 @@ async def test_a_batch_larger_than_the_pipe_and_one_without_audio_arrive_whole()
     await asyncio.sleep(0)
     thread.join()
     assert len(got) == 2
+    assert [m[2].sample_offset for m in got[0][1][:40]] == list(range(40))
     assert all(np.array_equal(m[2].samples, c.samples) for m, c in zip(got[0][1], big, strict=False))
     assert got[0][1][-1][2].final and got[0][1][-1][2].samples.size == 0
     assert got[1][1][0][2].request_id == "v" and got[1][1][0][2].final
+
+
+async def test_a_stream_that_is_not_a_bridge_channel_is_forwarded_by_a_task_in_order() -> None:
+    class Stream:
+        async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+            for offset in (0, 8):
+                yield AudioChunk("g", np.full(8, offset, np.float32), offset)
+                await asyncio.sleep(0)
+            raise EngineError("ran dry")
+
+    class Engine:
+        def open(self, request: SynthesisRequest) -> Stream:
+            return Stream()
+
+    gateway_end, worker_end = mp.Pipe()
+    loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
+    loop.engine = Engine()
+    loop._handle(("open", 5, SynthesisRequest(request_id="g")))
+    await asyncio.wait_for(asyncio.gather(*loop.tasks), 5)
+    await asyncio.sleep(0)
+    messages = [m for batch in received(gateway_end) for m in batch[1]]
+    assert [(m[0], m[1]) for m in messages] == [("chunk", 5), ("chunk", 5), ("fail", 5)]
+    assert [float(m[2].samples[0]) for m in messages[:2]] == [0.0, 8.0] and messages[2][3] == "ran dry"
+    assert 5 not in loop.streams
