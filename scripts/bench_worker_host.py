@@ -61,10 +61,10 @@ def stamp_of(samples: np.ndarray) -> float | None:
 
 
 def percentiles_ms(values: list[float], prefix: str) -> dict[str, float]:
-    if not values:
-        return {}
-    p50, p90, p99 = np.percentile(np.asarray(values) * 1000, [50, 90, 99])
-    return {f"{prefix}_p50_ms": round(p50, 2), f"{prefix}_p90_ms": round(p90, 2), f"{prefix}_p99_ms": round(p99, 2)}
+    """p50/p90/p99 (nearest rank) in ms; plain sorting, cheap enough for the worker's load report."""
+    ranked = sorted(values)
+    return {f"{prefix}_p{q}_ms": round(1000 * ranked[(len(ranked) * q - 1) // 100], 2)
+            for q in (50, 90, 99) if ranked}
 
 
 class SleepRunner:
@@ -77,8 +77,8 @@ class SleepRunner:
         self.starts: deque[float] = deque(maxlen=100_000)  # each step's start (perf_counter)
 
     def intervals_since(self, t: float) -> list[float]:
-        starts = np.asarray(list(self.starts))  # one C call: the step thread may append meanwhile
-        return list(np.diff(starts[starts >= t]))
+        starts = [s for s in list(self.starts) if s >= t]  # list(): one C call, the step thread appends meanwhile
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
