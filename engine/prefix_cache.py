@@ -132,12 +132,13 @@ class PrefixKVCache:
             self.evictions += 1
         return True
 
-    def copy_into(self, key: str, cache: KVCache, slot: int) -> int:
-        """Write the entry into a slot's first positions; returns how many."""
+    def copy_into_slots(self, key: str, cache: KVCache, slots: Tensor) -> int:
+        """Write the entry into the first positions of several slots (a long tensor on the
+        cache's device) with one write per cache tensor; returns how many positions."""
         entry = self._entries[key]
         n = entry.length
-        cache.k[:, slot, :, :n].copy_(entry.k)
-        cache.v[:, slot, :, :n].copy_(entry.v)
+        cache.k[:, slots, :, :n] = entry.k.unsqueeze(1)
+        cache.v[:, slots, :, :n] = entry.v.unsqueeze(1)
         return n
 
     def stats(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
+from engine.models.layers import KVCache
 from engine.plan import StepPlan
 from engine.prefix_cache import PrefixKVCache, prefix_key, prefix_length
 from engine.prompts import PromptRequest, build_prompt_embeds, tokenize_request
@@ -200,3 +201,18 @@ async def test_load_reports_live_figures(bundle) -> None:  # noqa: F811
     assert f["step_ms_decode"] > 0 and f["step_ms_prefill"] > 0 and f["step_ms_codec"] > 0
     assert f["steps"] == engine.core.steps and f["requests_finished"] == 1
     assert f["ttfa_samples"] == 1 and f["ttfa_p50_ms"] >= 0
+
+
+def test_one_write_copies_a_prefix_into_several_slots_and_nothing_else() -> None:
+    k = torch.randn(2, 6, 3, 16, 4)  # layers, slots, kv heads, positions, head dim
+    cache = KVCache(k, torch.randn_like(k))
+    before = KVCache(cache.k.clone(), cache.v.clone())
+    prefixes = PrefixKVCache(max_bytes=1 << 20)
+    assert prefixes.store("voice", cache, 0, 5)
+    assert prefixes.copy_into_slots("voice", cache, torch.tensor([2, 4])) == 5
+    for slot in (2, 4):
+        assert torch.equal(cache.k[:, slot, :, :5], before.k[:, 0, :, :5])
+        assert torch.equal(cache.v[:, slot, :, :5], before.v[:, 0, :, :5])
+        assert torch.equal(cache.k[:, slot, :, 5:], before.k[:, slot, :, 5:])  # later positions kept
+    for slot in (0, 1, 3, 5):
+        assert torch.equal(cache.k[:, slot], before.k[:, slot]) and torch.equal(cache.v[:, slot], before.v[:, slot])
