@@ -672,7 +672,9 @@ class Runner:
         dummy = self.codec_dummy + int(first_lane)
         slots_buf.copy_(self._host(slot_list + [dummy] * (b - n)), non_blocking=True)
         codes_buf[:n].copy_(codes, non_blocking=True)
+        t = self.figures.mark()
         bank.run(key, self._codec_fn(b, f, first_lane))
+        self.figures.span("codec_replays", t)
         return out[:n]
 
     # -- start-up ------------------------------------------------------------------------------

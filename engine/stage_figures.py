@@ -7,6 +7,9 @@ import time
 import torch
 
 STAGES = ("decode", "prefill", "sample", "codec")
+# summed over a step: the gaps between stages, and the Code2Wav graphs' own GPU time (the codec
+# stage's time less this is the GPU waiting for the host between its launches)
+SUMMED = ("gpu_gaps", "codec_replays")
 
 
 class StageFigures:
@@ -20,7 +23,7 @@ class StageFigures:
         self.cuda = cuda
         self.smoothing = smoothing
         names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES]
-        names += ["prefill_tokens", "codec_frames", "codec_launches", "step_ms_gpu_gaps"]
+        names += ["prefill_tokens", "codec_frames", "codec_launches"] + [f"step_ms_{s}" for s in SUMMED]
         self._mean = dict.fromkeys(names, 0.0)  # every key up front: readers on other threads see a fixed dict
         self._seen: set[str] = set()
         self._open: list[tuple[str, object, object]] = []
@@ -45,6 +48,18 @@ class StageFigures:
         self._open.append((stage, started, ended))
         self._last_stop = ended
 
+    def mark(self) -> object:
+        """An event inside a stage, for `span` (no effect on the gaps between stages)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def span(self, name: str, started: object) -> None:
+        """Add the time since `started` (a mark) to this step's sum `name` (one of SUMMED)."""
+        self._open.append((name, started, self.mark()))
+
     def rows(self, name: str, value: float) -> None:
         self._update(name, value)
 
@@ -52,7 +67,7 @@ class StageFigures:
         """Fold in the stage times whose work is done; work still running on the GPU (Code2Wav
         chunks collected next step) is folded in by a later step, without waiting for it here."""
         running = []
-        gaps: float | None = None  # the gaps resolved now: about one step's worth
+        sums: dict[str, float] = {}  # SUMMED figures resolved now: about one step's worth
         for stage, a, b in self._open:
             if self.cuda:
                 if not b.query():  # type: ignore[attr-defined]
@@ -61,12 +76,12 @@ class StageFigures:
                 ms = float(a.elapsed_time(b))  # type: ignore[attr-defined]
             else:
                 ms = 1000 * (float(b) - float(a))  # type: ignore[arg-type]
-            if stage == "gpu_gaps":
-                gaps = (gaps or 0.0) + ms
+            if stage in SUMMED:
+                sums[stage] = sums.get(stage, 0.0) + ms
             else:
                 self._update(f"step_ms_{stage}", ms)
-        if gaps is not None:
-            self._update("step_ms_gpu_gaps", gaps)
+        for name, ms in sums.items():
+            self._update(f"step_ms_{name}", ms)
         self._open = running
         self.steps += 1
 

@@ -38,3 +38,21 @@ def test_host_time_between_stages_is_a_gpu_gap_and_busy_launches_are_not():
     busy.finish_step()
     assert idle.snapshot()["step_ms_gpu_gaps"] >= 15
     assert busy.snapshot()["step_ms_gpu_gaps"] < 1
+
+
+def test_spans_inside_a_stage_count_the_gpu_work_not_the_host_time_between_them():
+    x = torch.randn(256, 256, device="cuda") / 16
+    fig = StageFigures(cuda=True)
+    t = fig.start()
+    for _ in range(2):
+        time.sleep(0.01)  # the host prepares the next launch while the GPU waits
+        m = fig.mark()
+        y = x @ x
+        fig.span("codec_replays", m)
+    fig.stop("codec", t)
+    torch.cuda.synchronize()
+    fig.finish_step()
+    figures = fig.snapshot()
+    assert y.shape == x.shape
+    assert figures["step_ms_codec"] >= 15  # the stage spans the host's preparation
+    assert figures["step_ms_codec_replays"] < 5
