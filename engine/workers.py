@@ -9,10 +9,10 @@ A worker that dies fails only the requests it held (their iteration raises Engin
 starts a replacement, registers the known voices with it, and keeps serving on the others
 meanwhile (load().ready stays true while any worker lives).
 
-Audio crosses the pipe out of band: a "batch" message carries each chunk's fields and the number
-of audio bytes that follow it, raw, in the chunks' order (written straight from the arrays,
-read straight into each chunk's own array): no pickling of sample arrays. Each stream's first chunk leaves in a
-batch of its own ahead of the loop pass's other messages.
+Audio crosses the pipe out of band: a "batch" message carries its chunks' fields (sizes
+included), and their samples follow it raw, in order, written straight from the arrays and read
+straight into each chunk's own array; sample arrays are never pickled. Each stream's first chunk
+leaves in a batch of its own, ahead of the other messages of its loop pass.
 """
 
 from __future__ import annotations
@@ -429,7 +429,8 @@ class WorkerPoolEngine:
     async def _start_worker(self, index: int) -> EngineInfo:
         assert self._loop is not None
         parent, child = self._context.Pipe(duplex=True)
-        widen(parent), widen(child)
+        widen(parent)
+        widen(child)
         process = self._context.Process(target=worker_main, args=(child, self.specs[index]),
                                         name=f"cadence-{self.specs[index].name}", daemon=True)
         process.start()
