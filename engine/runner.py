@@ -189,7 +189,13 @@ class Runner:
             sampling_kernel.check(dev)
             fused_norm.check(dev)
             fused_rope.check(dev)
-        self.codec_stream = torch.cuda.Stream(dev) if cuda and config.codec_overlap else None
+        # codec_overlap: later Code2Wav chunks on a stream of the lowest priority, the talker's work
+        # on one of the highest, so the GPU's block scheduler runs Code2Wav's kernels in the SMs
+        # the talker's leave idle instead of the two sharing them evenly
+        # (PyTorch maps a priority beyond the device's range to the range's nearest end)
+        overlap = cuda and config.codec_overlap
+        self.codec_stream = torch.cuda.Stream(dev, priority=0) if overlap else None
+        self.talker_stream = torch.cuda.Stream(dev, priority=-16) if overlap else None
         self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
         self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
         defer = cuda if config.defer_codec is None else config.defer_codec
@@ -239,6 +245,10 @@ class Runner:
     @torch.no_grad()
     def prepare(self, prompt: SegmentPrompt) -> int:
         """Build the prompt embeddings (step thread); returns the prompt length."""
+        with self._talker_ctx():
+            return self._prepare(prompt)
+
+    def _prepare(self, prompt: SegmentPrompt) -> int:
         if prompt.embeds is None:
             assert prompt.tokens is not None, "segment prompt not tokenised"
             prompt.embeds = build_prompt_embeds(
@@ -254,6 +264,10 @@ class Runner:
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepOutput:
+        with self._talker_ctx():
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepOutput:
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
@@ -546,6 +560,17 @@ class Runner:
         if self.codec_stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.codec_stream)
+
+    @contextlib.contextmanager
+    def _talker_ctx(self) -> Iterator[None]:
+        """The step's work on the high-priority talker stream (codec_overlap), after whatever the
+        device's default stream holds (weights or voices made on other threads)."""
+        if self.talker_stream is None:
+            yield
+            return
+        self.talker_stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.talker_stream):
+            yield
 
     def _codec_buffers(self, b: int, f: int, first_lane: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         key = (b, f, first_lane)

@@ -22,6 +22,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 10   # two GPUs: only the two sweeps at once, urgent
 #                                                         chunks off (the default) and on
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 11   # one GPU: the default sweep alone
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 12   # two GPUs: the default sweep beside the
+#                                                         --codec-overlap one; stream and figure tests
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -135,5 +137,16 @@ case "${1:-}" in
     POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
     CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11"; exit 2 ;;
+  12)  # two GPUs: the default sweep (GPU 0) beside the --codec-overlap sweep (GPU 1, prioritised
+       # talker stream); then the GPU tests of the streams and the stage figures on GPU 1
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     SERVE_ARGS="--codec-overlap" PORT=8766 TAG=1.7b-overlap CONC="${CONC_B:-256,384,512}" \
+       run 450 e2e-overlap bash scripts/gpu_bench_e2e.sh
+     run 80 gpu-tests $PY -m pytest -q tests/gpu/test_codec_overlap.py tests/gpu/test_stage_figures.py \
+       tests/gpu/test_step_syncs.py) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12"; exit 2 ;;
 esac
