@@ -69,6 +69,7 @@ class Qwen3EngineConfig:
     enforce_eager: bool = False
     defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
     codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
+    first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks beside (RunnerConfig)
     scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
@@ -237,7 +238,7 @@ class Qwen3Engine:
                 max_batch=ec.max_batch, max_trailing=ec.max_trailing, kv_buckets=ec.kv_buckets,
                 codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
                 enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec, codec_overlap=ec.codec_overlap,
-                codec_state_cache_bytes=ec.codec_state_cache_bytes,
+                first_chunk_lane=ec.first_chunk_lane, codec_state_cache_bytes=ec.codec_state_cache_bytes,
             ),
         )
         self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)

@@ -109,6 +109,10 @@ class RunnerConfig:
     # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
     # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
     defer_codec: bool | None = None
+    # deferring on one stream (CUDA): the later chunks are launched right behind the sampling, before
+    # the host reads the sampled codes, so the GPU decodes them while the host handles those codes;
+    # first chunks then replay graphs of their own on a stream of the highest priority, beside them
+    first_chunk_lane: bool = True
     # Code2Wav state after a clone's reference clip, kept per voice (engine.codec_state_cache)
     codec_state_cache_bytes: int = 64 << 20
 
@@ -116,7 +120,15 @@ class RunnerConfig:
 
 
 EAGER_CHUNK_FRAMES = 25  # frames per eager Code2Wav call when no graph fits (bounds its activations)
-FIRST_LANE_FRAMES = (1, 2)  # first-chunk sizes with graphs of their own when Code2Wav overlaps
+FIRST_LANE_FRAMES = (1, 2)  # first-chunk sizes with graphs of their own (first-chunk lane, overlap)
+
+
+@dataclass(slots=True)
+class _SampledCodes:
+    """A step's sampled codes [rows, 16] on their way to the host (done: the copy's event, CUDA)."""
+
+    host: Tensor
+    done: torch.cuda.Event | None
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -196,9 +208,12 @@ class Runner:
         overlap = cuda and config.codec_overlap
         self.codec_stream = torch.cuda.Stream(dev, priority=0) if overlap else None
         self.talker_stream = torch.cuda.Stream(dev, priority=-16) if overlap else None
-        self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
-        self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
         defer = cuda if config.defer_codec is None else config.defer_codec
+        lane = cuda and bool(defer) and config.first_chunk_lane and self.codec_stream is None
+        self.first_stream = torch.cuda.Stream(dev, priority=-16) if lane else None
+        self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
+        self._later_stream: torch.cuda.Stream | None = None  # where the later chunks were launched
+        self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
         self.defers_codec = bool(defer) or self.codec_stream is not None
         self._deferred: Callable[[], tuple[dict[str, np.ndarray], list[tuple[str, int]]]] | None = None
         self.batches = batch_buckets(mb)
@@ -306,11 +321,16 @@ class Runner:
             fig.rows("batch_prefill", len(plan.prefill))
             fig.rows("prefill_tokens", sum(c.length for c in plan.prefill))
         codes: list[list[int]] = []
+        sampled: _SampledCodes | None = None
         if meta:
             t = fig.start()
-            codes = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
+            sampled = self._sample(torch.cat(hidden) if len(hidden) > 1 else hidden[0], meta)
             fig.stop("sample", t)
             fig.rows("batch_sample", len(meta))
+        self._launches = 0
+        early = self._launch_later_early(plan) if self.first_stream is not None else None
+        if sampled is not None:
+            codes = self._read_codes(sampled)
             # rows were sampled decode, one-position prompts, longer prompts: back to the plan's order
             ran = [r.request_id for r in plan.decode] + [c.request_id for c in sampling_merged]
             ran += [c.request_id for c in longer if c.samples_frame]
@@ -318,8 +338,7 @@ class Runner:
             codes = [by_request[rid] for rid in plan.sampling_rows]
         first = self._first_audio_chunks(plan, codes)
         codec = plan.codec + first
-        self._launches = 0
-        audio, delivered = self._run_codec(plan, first)
+        audio, delivered = self._run_codec(plan, first, early)
         if codec:
             fig.rows("batch_codec", len(codec))
             fig.rows("codec_frames", sum(c.num_frames for c in codec))
@@ -328,15 +347,21 @@ class Runner:
         return StepOutput(codes=codes, audio=audio, delivered=delivered)
 
     def _run_codec(
-        self, plan: StepPlan, first: list[CodecChunk]
+        self, plan: StepPlan, first: list[CodecChunk], early: Callable[[], dict[str, np.ndarray]] | None = None
     ) -> tuple[dict[str, np.ndarray], list[tuple[str, int]] | None]:
         """Code2Wav after sampling -> this step's audio and, when deferring, the chunks it holds.
 
         Deferring, first chunks are decoded and collected now (time to first audio); the others are
-        collected by the next step, so the host plans it while the GPU decodes them."""
+        collected by the next step, so the host plans it while the GPU decodes them. `early`: the
+        later chunks' collector when they were launched before the codes were read (first-chunk lane)."""
         later = [c for c in plan.codec if not (c.first_chunk or c.urgent)] if self.defers_codec else []
         now = [c for c in plan.codec if c.first_chunk or c.urgent] + first if self.defers_codec else plan.codec + first
-        if self.codec_stream is None:
+        if early is not None:  # later chunks already queued on this stream: first chunks on their lane
+            assert self.first_stream is not None
+            collect_later = early
+            with torch.cuda.stream(self.first_stream):
+                collect_now = self._launch_codec(now, [], first_lane=True)
+        elif self.codec_stream is None:
             t = self.figures.start()
             collect_now = self._launch_codec(now, plan.codec_resets)
             collect_later = self._launch_codec(later, [])
@@ -363,6 +388,16 @@ class Runner:
         if later:
             self._deferred = lambda: (collect_later(), [(c.request_id, c.num_frames) for c in later])
         return audio, delivered
+
+    def _launch_later_early(self, plan: StepPlan) -> Callable[[], dict[str, np.ndarray]]:
+        """The slots' resets and the later chunks, on this stream right behind the sampling: the GPU
+        decodes them while the host reads the codes and builds the first chunks (first-chunk lane)."""
+        later = [c for c in plan.codec if not (c.first_chunk or c.urgent)]
+        t = self.figures.start()
+        collect = self._launch_codec(later, plan.codec_resets)
+        if later:
+            self.figures.stop("codec", t)
+        return collect
 
     def _first_audio_chunks(self, plan: StepPlan, codes: list[list[int]]) -> list[CodecChunk]:
         """One-frame chunks of the requests whose first frame this step sampled (EOS gives none)."""
@@ -515,7 +550,7 @@ class Runner:
             self.seen[slot, first] = True
 
     # -- sampling + code predictor -------------------------------------------------------------
-    def _sample(self, hidden: Tensor, meta: list[tuple[int, int, int]]) -> list[list[int]]:
+    def _sample(self, hidden: Tensor, meta: list[tuple[int, int, int]]) -> _SampledCodes:
         n = len(meta)
         b = bucket_for(n, self.batches)
         assert b is not None, f"{n} sampling rows exceed max_batch"
@@ -526,7 +561,20 @@ class Runner:
         self.s_hidden[:n].copy_(hidden)
         bounded = all(self.bounded[slot] for slot in cols[0])
         self.graphs.run(("sample", b, bounded), self._sample_fn(b, bounded))
-        return self.s_codes[:n].cpu().tolist()  # the step's one host read of sampled codes
+        if self.device.type != "cuda":
+            return _SampledCodes(self.s_codes[:n].clone(), None)
+        host = torch.empty((n, self.groups), dtype=torch.long, pin_memory=True)
+        host.copy_(self.s_codes[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _SampledCodes(host, done)
+
+    def _read_codes(self, sampled: _SampledCodes) -> list[list[int]]:
+        """The step's one host read of sampled codes: waits for the sampling only, not for work
+        queued behind it."""
+        if sampled.done is not None:
+            sampled.done.synchronize()
+        return sampled.host.tolist()
 
     def _sample_fn(self, b: int, bounded: bool) -> Callable[[], None]:
         def fn() -> None:
@@ -602,8 +650,8 @@ class Runner:
         host: list[tuple[list[CodecChunk], Tensor]] = []
         if first_lane:
             here = torch.cuda.current_stream(self.device)
-            if self.codec_stream is not None and any(not c.first_chunk for c in chunks):
-                here.wait_stream(self.codec_stream)  # an urgent chunk follows its stream's earlier ones
+            if self._later_stream is not None and any(not c.first_chunk for c in chunks):
+                here.wait_stream(self._later_stream)  # an urgent chunk follows its stream's earlier ones
             elif self._slots_ready is not None:
                 here.wait_event(self._slots_ready)
         else:
@@ -612,9 +660,10 @@ class Runner:
             if resets:
                 self.codec.reset(self._to_device(resets))
             self._prime_codec()
-            if self.codec_stream is not None:
+            if self.codec_stream is not None or self.first_stream is not None:
+                self._later_stream = torch.cuda.current_stream(self.device)
                 self._slots_ready = torch.cuda.Event()
-                self._slots_ready.record(self.codec_stream)
+                self._slots_ready.record()
         by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
         for c in chunks:
             by_frames[c.num_frames].append(c)
@@ -728,7 +777,7 @@ class Runner:
             for b in reversed(self.codec_batches)
             for f in sorted(self.config.codec_frame_buckets, reverse=True)
         ]
-        if self.codec_stream is not None:
+        if self.codec_stream is not None or self.first_stream is not None:
             first = sorted(set(FIRST_LANE_FRAMES) & set(self.config.codec_frame_buckets), reverse=True)
             keys += [("codec_first", b, f) for b in reversed(self.codec_batches) for f in first]
         return keys

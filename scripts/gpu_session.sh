@@ -24,6 +24,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 11   # one GPU: the default sweep alone
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 12   # two GPUs: the default sweep beside the
 #                                                         --codec-overlap one; stream and figure tests
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 13   # two GPUs: the default sweep alone on one; the
+#                                                         stream, figure and graph tests on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -148,5 +150,14 @@ case "${1:-}" in
        tests/gpu/test_step_syncs.py) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12"; exit 2 ;;
+  13)  # two GPUs: the default sweep alone on GPU 0; the GPU tests of the streams, the stage figures
+       # and graph == eager on GPU 1 (light on the host's CPU)
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 300 gpu-tests $PY -m pytest -q tests/gpu/test_codec_overlap.py tests/gpu/test_stage_figures.py \
+       tests/gpu/test_step_syncs.py tests/gpu/test_graphs.py) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13"; exit 2 ;;
 esac
