@@ -351,7 +351,8 @@ def run_metadata(args: argparse.Namespace, engine: dict[str, Any], command: str)
         "gpu": gpu.splitlines()[0] if gpu else None,
         "model_shapes": args.model_shapes,
         "engine": engine,
-        "commit": _command_output("git", "rev-parse", "HEAD"),
+        # a copied tree's .git may lag the files it holds: CADENCE_COMMIT names the real commit
+        "commit": os.environ.get("CADENCE_COMMIT") or _command_output("git", "rev-parse", "HEAD"),
         "versions": {"python": platform.python_version(), "websockets": metadata.version("websockets")},
         "command": command,
     }

@@ -207,6 +207,18 @@ def test_a_runs_recorded_command_names_no_machine_path() -> None:
     assert "/srv" not in line
 
 
+def test_a_runs_commit_may_be_named_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from clients.loadtest import run_metadata
+
+    args = argparse.Namespace(gpu="none", model_shapes="1.7B")
+    monkeypatch.setenv("CADENCE_COMMIT", "0123abc")
+    assert run_metadata(args, {}, "cmd")["commit"] == "0123abc"
+    monkeypatch.delenv("CADENCE_COMMIT")
+    assert run_metadata(args, {}, "cmd")["commit"] != "0123abc"
+
+
 def test_engine_figures_are_read_from_the_gateways_metrics() -> None:
     from prometheus_client import generate_latest
 
