@@ -212,7 +212,6 @@ class Runner:
         lane = cuda and bool(defer) and config.first_chunk_lane and self.codec_stream is None
         self.first_stream = torch.cuda.Stream(dev, priority=-16) if lane else None
         self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
-        self._later_stream: torch.cuda.Stream | None = None  # where the later chunks were launched
         self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
         self.defers_codec = bool(defer) or self.codec_stream is not None
         self._deferred: Callable[[], tuple[dict[str, np.ndarray], list[tuple[str, int]]]] | None = None
@@ -650,9 +649,12 @@ class Runner:
         host: list[tuple[list[CodecChunk], Tensor]] = []
         if first_lane:
             here = torch.cuda.current_stream(self.device)
-            if self._later_stream is not None and any(not c.first_chunk for c in chunks):
-                here.wait_stream(self._later_stream)  # an urgent chunk follows its stream's earlier ones
+            if self.codec_stream is not None and any(not c.first_chunk for c in chunks):
+                here.wait_stream(self.codec_stream)  # an urgent chunk follows its stream's earlier ones
             elif self._slots_ready is not None:
+                # only the slots' resets must come first: on the first-chunk lane an urgent
+                # chunk's earlier chunks are done (queued before this step's sampling, whose codes
+                # the host has read) and the step's later chunks are other streams'
                 here.wait_event(self._slots_ready)
         else:
             if self.codec_stream is not None and self._main_stream is not None:
@@ -661,7 +663,6 @@ class Runner:
                 self.codec.reset(self._to_device(resets))
             self._prime_codec()
             if self.codec_stream is not None or self.first_stream is not None:
-                self._later_stream = torch.cuda.current_stream(self.device)
                 self._slots_ready = torch.cuda.Event()
                 self._slots_ready.record()
         by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
