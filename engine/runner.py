@@ -1,11 +1,13 @@
 """The GPU owner: turns a StepPlan into sampled frames and audio.
 
 Per step:
-  Code2Wav chunks      after sampling; on CUDA only first chunks are collected in their step, the
-                       others by the next step, so the host plans that step while the GPU decodes
-                       them. With codec_overlap those others run on their own CUDA stream, beside
-                       the next step's talker, and first chunks on the talker's stream through
-                       graphs of their own (the two lanes share no static buffer or memory pool)
+  Code2Wav chunks      on CUDA only first chunks are collected in their step, the others by the
+                       next step, so the host plans that step while the GPU decodes them. Those
+                       others are queued right behind the sampling, before the host reads the
+                       codes; first chunks, built from those codes, replay graphs of their own on
+                       a stream of the highest priority beside them (the first-chunk lane: the two
+                       lanes share no static buffer or memory pool). With codec_overlap the others
+                       run on a stream of their own beside the next step's talker instead
   talker decode rows   one CUDA graph per batch bucket (per attention-length bucket without the
                        decode kernel); one-position prompt chunks join these rows
   talker prefill       longer prompt chunks padded into a (rows, positions) bucket's graph
