@@ -28,6 +28,9 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs")
     p.add_argument("--codec-overlap", action="store_true", default=_env("codec_overlap", "0") == "1",
                    help="Code2Wav on a CUDA stream of its own, beside the next step's talker")
+    p.add_argument("--no-first-chunk-lane", dest="first_chunk_lane", action="store_false",
+                   default=_env("first_chunk_lane", "1") != "0",
+                   help="decode first chunks after the step's later Code2Wav chunks, on one stream")
     p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
                    default=(_env("scheduler", "") or "").split(),
                    help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
@@ -79,7 +82,7 @@ def serve_main(argv: list[str]) -> int:
 
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
-        dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap,
+        dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap, first_chunk_lane=args.first_chunk_lane,
         max_streams=args.max_streams, scheduler=tuple(args.scheduler), gpus=args.gpus,
         upstream=args.upstream, upstream_streams=args.upstream_streams,
         upstream_word_timestamps=args.upstream_word_timestamps,

@@ -1,4 +1,4 @@
-"""`cadence serve --scheduler FIELD=JSON`: parsed from flags and the environment, checked at start-up."""
+"""`cadence serve` engine flags: `--scheduler FIELD=JSON` (flags and the environment, checked at start-up) and the first-chunk lane."""
 
 from __future__ import annotations
 
@@ -18,3 +18,11 @@ def test_a_bad_scheduler_setting_stops_serve_before_any_engine_is_built(bad, mon
     monkeypatch.delenv("CADENCE_SCHEDULER", raising=False)
     with pytest.raises(SystemExit, match="--scheduler: scheduler option"):
         serve_main(["--engine", "espeak", "--scheduler", bad])
+
+
+def test_the_first_chunk_lane_is_on_unless_a_flag_or_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv("CADENCE_FIRST_CHUNK_LANE", raising=False)
+    assert _serve_parser().parse_args([]).first_chunk_lane is True
+    assert _serve_parser().parse_args(["--no-first-chunk-lane"]).first_chunk_lane is False
+    monkeypatch.setenv("CADENCE_FIRST_CHUNK_LANE", "0")
+    assert _serve_parser().parse_args([]).first_chunk_lane is False
