@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,8 +39,12 @@ from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatu
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # audio seconds per codec frame
 ON_SCHEDULE, EARLY, FLUSH = 0, 1, 2  # why a Code2Wav chunk has its size (Scheduler._codec_frames)
+_WAIT = (0, ON_SCHEDULE)  # no chunk this step (Scheduler._codec_frames)
 IDLE_GAP_S = 1.0  # a longer wait between two steps is an idle engine, not a step
-_HOLDS_KV = frozenset((RequestStatus.PREFILLING, RequestStatus.DECODING))
+# module constants: cheaper than attribute lookups on the enum in the per-row loops (and a tuple,
+# not a set: an enum member's hash is a Python-level call)
+_PREFILLING, _DECODING, _DRAINING = RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.DRAINING
+_HOLDS_KV = (_PREFILLING, _DECODING)
 _FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it end a request
 
 
@@ -205,30 +210,11 @@ class Scheduler:
         plan = StepPlan(step=self._step)
         self._admit()
         budget = self.config.max_tokens_per_step
-        rows = 0
         if len(self.running) > min(self.config.max_batch, budget):  # who goes first matters only then
             self.running.sort(key=Request.sort_key)
-        for r in self.running:
-            seg = r.current
-            if r.status != RequestStatus.DECODING or seg is None or rows >= self.config.max_batch:
-                continue
-            if budget <= 0:
-                break
-            plan.decode.append(
-                DecodeRow(
-                    request_id=r.request_id,
-                    kv_slot=_slot(r.kv_slot),
-                    codec_slot=_slot(r.codec_slot),
-                    position=seg.prefilled,
-                    frame_index=seg.frames,
-                    utterance_frame=r.frames_generated,
-                    payload=seg.payload,
-                    sampling=r.sampling,
-                )
-            )
-            budget -= 1
-            rows += 1
-        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING and r.current is not None]
+        prefilling = self._plan_decode(plan.decode, min(self.config.max_batch, budget))
+        rows = len(plan.decode)
+        budget -= rows
         prefilling.sort(key=Request.sort_key)
         for r in prefilling:
             seg = r.current
@@ -273,6 +259,23 @@ class Scheduler:
         plan.codec_resets, self._codec_resets = self._codec_resets, []
         return plan
 
+    def _plan_decode(self, decode: list[DecodeRow], limit: int) -> list[Request]:
+        """One pass over the running set: a decode row for each of its first `limit` decoding
+        requests, and its prefilling requests returned (both in running order)."""
+        prefilling = []
+        for r in self.running:
+            seg = r.current
+            if seg is None:
+                continue
+            status = r.status
+            if status == _DECODING:
+                if len(decode) < limit:  # positional: this runs once per row and step
+                    decode.append(DecodeRow(r.request_id, _slot(r.kv_slot), _slot(r.codec_slot), seg.prefilled,
+                                            seg.frames, len(r.codes), seg.payload, r.sampling))
+            elif status == _PREFILLING:
+                prefilling.append(r)
+        return prefilling
+
     def update(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         now = self.clock()
         if self._last_schedule is not None:
@@ -280,27 +283,22 @@ class Scheduler:
         outs: dict[str, RequestOutput] = {}
 
         def out_for(r: Request) -> RequestOutput:
-            return outs.setdefault(r.request_id, RequestOutput(r.request_id))
+            o = outs.get(r.request_id)
+            if o is None:
+                o = outs[r.request_id] = RequestOutput(r.request_id)
+            return o
 
-        requests = self.requests
-        for chunk in plan.prefill:
-            r = requests.get(chunk.request_id)
-            if r is not None and r.status < _FINISHED and r.current is not None:
-                r.current.prefilled += chunk.length
-                self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
-        for row in plan.decode:
-            r = requests.get(row.request_id)
-            if r is not None and r.status < _FINISHED and r.current is not None:
-                r.current.prefilled += 1
-                self.kv.set_length(_slot(r.kv_slot), r.current.prefilled)
+        self._advance_positions(plan)
         rows = plan.sampling_rows
         self._frames_per_step += 0.1 * (len(rows) - self._frames_per_step)
         if len(output.codes) != len(rows):
             raise ValueError(f"runner returned {len(output.codes)} frames for {len(rows)} rows")
+        requests = self.requests
+        append_frame = self._append_frame
         for rid, codes in zip(rows, output.codes, strict=True):
             r = requests.get(rid)
             if r is not None and r.status < _FINISHED:
-                self._append_frame(r, codes, out_for)
+                append_frame(r, codes, out_for)
         for f in plan.first_audio_now:  # a first frame decoded in its own step (none when it was EOS)
             r = self._live(f.request_id)
             if r is not None and r.frames_generated and not r.frames_launched:
@@ -309,29 +307,53 @@ class Scheduler:
         if delivered is None:  # the runner decoded this plan's chunks in this step
             delivered = [(c.request_id, c.num_frames) for c in plan.codec]
             delivered += [(f.request_id, 1) for f in plan.first_audio_now if f.request_id in output.audio]
+        self._deliver(delivered, output, now, out_for)
+        for o in outs.values():
+            r = requests.get(o.request_id)
+            if r is not None:
+                if r.status == _DRAINING:
+                    for fin in self._finish_if_drained(r):
+                        o.finished = fin.finished
+                o.status = r.status
+        return list(outs.values())
+
+    def _advance_positions(self, plan: StepPlan) -> None:
+        """Count the talker positions the plan's prefill chunks and decode rows wrote."""
+        requests, set_length = self.requests, self.kv.set_length
+        for chunk in plan.prefill:
+            r = requests.get(chunk.request_id)
+            if r is not None and r.status < _FINISHED and (seg := r.current) is not None:
+                seg.prefilled += chunk.length
+                set_length(_slot(r.kv_slot), seg.prefilled)
+        for row in plan.decode:
+            r = requests.get(row.request_id)
+            if r is not None and r.status < _FINISHED and (seg := r.current) is not None:
+                seg.prefilled += 1
+                set_length(_slot(r.kv_slot), seg.prefilled)
+
+    def _deliver(
+        self, delivered: list[tuple[str, int]], output: StepOutput, now: float,
+        out_for: Callable[[Request], RequestOutput],
+    ) -> None:
+        """Hand out the decoded chunks: each live request's audio, and its lead on the playback clock."""
+        requests, leads, audio = self.requests, self.leads, output.audio
         for rid, frames in delivered:
-            r = self._live(rid)
-            if r is None:
+            r = requests.get(rid)
+            if r is None or r.status >= _FINISHED:
                 continue
             o = out_for(r)
             if o.audio is None:  # a stream's deferred chunk and an urgent one share one output
                 o.sample_offset = r.samples_emitted
-                o.audio = output.audio.get(rid)
-            if r.first_audio_time is not None:  # a later chunk: its lead on the playback clock
-                lead = r.first_audio_time + r.frames_decoded * FRAME_S - now
-                self.leads.chunk(now, lead)
+                o.audio = audio.get(rid)
+            first = r.first_audio_time
+            if first is not None:  # a later chunk: its lead on the playback clock
+                lead = first + r.frames_decoded * FRAME_S - now
+                leads.chunk(now, lead)
                 r.min_lead_s = min(r.min_lead_s, lead)
             r.frames_decoded += frames
-            if r.first_audio_time is None:
+            if first is None:
                 r.first_audio_time = now
                 self._ttfas.append((now, now - r.arrival_time))
-        for o in outs.values():
-            r = self.requests.get(o.request_id)
-            if r is not None:
-                for fin in self._finish_if_drained(r):
-                    o.finished = fin.finished
-                o.status = r.status
-        return list(outs.values())
 
     # -- load ---------------------------------------------------------------------------------
     @property
@@ -459,9 +481,9 @@ class Scheduler:
         else:
             r.codes.append(list(codes))
             seg.frames += 1
-            seg.done = seg.frames >= self._segment_cap(seg)
+            seg.done = seg.frames >= (seg.cap or self._segment_cap(seg))
         if not seg.done:
-            r.status = RequestStatus.DECODING
+            r.status = _DECODING
             return
         r.done_segments.append(seg)
         out_for(r).finished_segments.append(seg)
@@ -495,11 +517,10 @@ class Scheduler:
         return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
 
     def _snap(self, frames: int) -> int:
-        best = 0
-        for b in self.config.codec_frame_buckets:
-            if b <= frames:
-                best = b
-        return best
+        """The largest codec bucket of at most `frames` frames (0: none); the buckets are sorted."""
+        buckets = self.config.codec_frame_buckets
+        i = bisect_right(buckets, frames)
+        return buckets[i - 1] if i else 0
 
     def _chunk_target(self, schedule: ChunkSchedule, index: int) -> int:
         """Frames of chunk `index`, snapped to a codec bucket (memoised: asked per row per step)."""
@@ -512,20 +533,22 @@ class Scheduler:
     def _codec_frames(self, r: Request, pending: int, now: float) -> tuple[int, int]:
         """Frames of r to decode this step (0 = wait for more), and why: ON_SCHEDULE (the schedule's
         size), EARLY (smaller, because the listener's buffer runs low) or FLUSH (no frame is coming)."""
-        if r.next_chunk_index != r.chunks_emitted:  # asked per row per step: memoised on the request
-            r.next_chunk_index, r.next_chunk_frames = r.chunks_emitted, self._chunk_target(r.schedule, r.chunks_emitted)
+        emitted = r.chunks_emitted
+        if r.next_chunk_index != emitted:  # asked per row per step: memoised on the request
+            r.next_chunk_index, r.next_chunk_frames = emitted, self._chunk_target(r.schedule, emitted)
         target = r.next_chunk_frames
         if pending >= target:
             return target, ON_SCHEDULE
         if r.status not in _HOLDS_KV:  # no frame is coming soon: flush what is there
             return self._snap(pending), FLUSH
-        if r.chunks_emitted == 0:
-            return 0, ON_SCHEDULE
+        if emitted == 0:
+            return _WAIT
         slack = r.deadline - now
-        steps = target - pending + self.config.codec_delivery_steps
-        if slack < steps * self.step_time_s + self.config.safety_margin_s:
+        config = self.config
+        steps = target - pending + config.codec_delivery_steps
+        if slack < steps * self.step_time_s + config.safety_margin_s:
             return self._snap(pending), EARLY
-        return 0, ON_SCHEDULE
+        return _WAIT
 
     def _first_audio_now(self, plan: StepPlan) -> list[FirstAudio]:
         """Sampling rows that produce their request's first frame, when the first chunk is one frame."""
@@ -539,48 +562,52 @@ class Scheduler:
         return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
-        ready: list[tuple[bool, float, int, Request, int, int]] = []
+        config = self.config
+        ready = self._codec_ready(now)
+        # first chunks, then the most urgent, then the order the requests came in (the index is
+        # unique: the tuples never compare further)
+        ready.sort()
+        chosen: list[tuple[Request, int, int]] = []
+        early = 0
+        for _, _, _, r, n, why in ready:
+            if len(chosen) >= config.max_codec_rows:
+                break
+            if why == EARLY:
+                if early >= config.max_early_codec_rows:
+                    continue
+                early += 1
+            chosen.append((r, n, why))
+        if config.merge_codec_groups_below:
+            self._merge_small_groups(chosen, now)
+        if config.codec_frames_over_production:
+            chosen = self._smooth(chosen, now)
+        work: list[CodecChunk] = []
+        # deferred audio comes a step later than audio collected in its step
+        urgent_below = config.safety_margin_s + (1 + config.codec_delivery_steps) * self.step_time_s
+        may_be_urgent = config.urgent_codec_chunks and config.codec_delivery_steps > 0
+        for r, n, why in chosen:
+            start = r.frames_launched
+            urgent = may_be_urgent and why == EARLY and r.deadline - now < urgent_below
+            # (request_id, codec_slot, first_frame, codes, first_chunk, urgent)
+            work.append(CodecChunk(r.request_id, _slot(r.codec_slot), start, r.codes[start : start + n],
+                                   r.chunks_emitted == 0, urgent))
+        return work
+
+    def _codec_ready(self, now: float) -> list[tuple[bool, float, int, Request, int, int]]:
+        """(a later chunk, deadline, index in arrival order, request, frames, why) of each request
+        with a Code2Wav chunk to decode now."""
+        ready = []
+        codec_frames = self._codec_frames
         for i, r in enumerate(self.requests.values()):
             if r.codec_slot is None:
                 continue
             pending = len(r.codes) - r.frames_launched
             if pending <= 0:
                 continue
-            n, why = self._codec_frames(r, pending, now)
+            n, why = codec_frames(r, pending, now)
             if n:
                 ready.append((r.chunks_emitted > 0, r.deadline, i, r, n, why))
-        ready.sort(key=_urgency)  # first chunks, then the most urgent (then the order the requests came in)
-        chosen: list[tuple[Request, int, int]] = []
-        early = 0
-        for _, _, _, r, n, why in ready:
-            if len(chosen) >= self.config.max_codec_rows:
-                break
-            if why == EARLY:
-                if early >= self.config.max_early_codec_rows:
-                    continue
-                early += 1
-            chosen.append((r, n, why))
-        if self.config.merge_codec_groups_below:
-            self._merge_small_groups(chosen, now)
-        if self.config.codec_frames_over_production:
-            chosen = self._smooth(chosen, now)
-        work: list[CodecChunk] = []
-        # deferred audio comes a step later than audio collected in its step
-        urgent_below = self.config.safety_margin_s + (1 + self.config.codec_delivery_steps) * self.step_time_s
-        for r, n, why in chosen:
-            start = r.frames_launched
-            work.append(
-                CodecChunk(
-                    request_id=r.request_id,
-                    codec_slot=_slot(r.codec_slot),
-                    first_frame=start,
-                    codes=r.codes[start : start + n],
-                    first_chunk=r.chunks_emitted == 0,
-                    urgent=(self.config.urgent_codec_chunks and self.config.codec_delivery_steps > 0
-                            and why == EARLY and r.deadline - now < urgent_below),
-                )
-            )
-        return work
+        return ready
 
     def _smooth(self, chosen: list[tuple[Request, int, int]], now: float) -> list[tuple[Request, int, int]]:
         """Keep a step's Code2Wav frames near what the talker makes per step: past
@@ -623,10 +650,6 @@ class Scheduler:
                 chosen[i] = (chosen[i][0], m, chosen[i][2])
             groups[m] += rows
             groups[f] = []
-
-
-def _urgency(entry: tuple[bool, float, int, Request, int, int]) -> tuple[bool, float, int]:
-    return entry[0], entry[1], entry[2]
 
 
 def _slot(slot: int | None) -> int:
