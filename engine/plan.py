@@ -103,7 +103,8 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepOutput:
-    # sampled frames in plan.sampling_rows order: 16 codes each (one host transfer per step)
+    # sampled frames in plan.sampling_rows order: 16 codes each (one host transfer per step); the
+    # scheduler keeps each row's list as the request's frame, so a runner hands over fresh lists
     codes: list[list[int]] = field(default_factory=list)
     # request id -> float32 samples of its codec chunk (num_frames * samples_per_frame)
     audio: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)

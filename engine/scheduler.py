@@ -479,7 +479,9 @@ class Scheduler:
         if codes[0] == self.config.eos_code:
             seg.done = True
         else:
-            r.codes.append(list(codes))
+            # the runner's row becomes the request's frame (StepOutput.codes): a copy per row and
+            # step would only feed the garbage collector
+            r.codes.append(codes if type(codes) is list else list(codes))
             seg.frames += 1
             seg.done = seg.frames >= (seg.cap or self._segment_cap(seg))
         if not seg.done:
