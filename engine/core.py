@@ -107,20 +107,19 @@ class EngineCore:
         return self.scheduler.abort(ids) if ids else []
 
     def _process_text(self) -> list[RequestOutput]:
+        """Prepare the queued text (no lock held), then hand it all to the scheduler in one go."""
         with self._lock:
             items = list(self._text)
             self._text.clear()
+        if not items:
+            return []
+        prepared = [(request_id, segment, self._prepare_error(segment)) for request_id, segment in items]
         outs: list[RequestOutput] = []
-        for request_id, segment in items:
-            if segment is not None and self.prepare is not None:
-                try:
-                    self.prepare(segment)
-                except Exception as exc:
-                    with self._lock:
-                        outs += self.scheduler.fail([request_id], f"{type(exc).__name__}: {exc}")
-                    continue
-            with self._lock:
-                if segment is None:
+        with self._lock:
+            for request_id, segment, error in prepared:
+                if error is not None:
+                    outs += self.scheduler.fail([request_id], error)
+                elif segment is None:
                     outs += self.scheduler.close_text(request_id)
                 else:
                     try:
@@ -128,6 +127,16 @@ class EngineCore:
                     except ValueError as exc:
                         outs += self.scheduler.fail([request_id], str(exc))
         return outs
+
+    def _prepare_error(self, segment: Segment | None) -> str | None:
+        """Run `prepare` on a segment; the error that fails its request, if any."""
+        if segment is None or self.prepare is None:
+            return None
+        try:
+            self.prepare(segment)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         if outs and self.sink is not None:
