@@ -86,6 +86,17 @@ class _Mailbox:
             if self._wake_pending:
                 return
             self._wake_pending = True
+        self._wake()
+
+    def post_many(self, items: list[tuple[ChunkChannel, object]]) -> None:
+        with self._lock:
+            self._items += items
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed: nobody is left to read
@@ -101,6 +112,35 @@ class _Mailbox:
             items = fresh + [pair for pair in items if pair[0]._started]
         for channel, item in items:
             channel._push(item)
+
+
+class ChunkBatch:
+    """Items for many channels, posted together (a step's outputs): one lock round-trip and at most
+    one wake-up per event loop instead of one per item, and the loop takes the whole step at once,
+    its first chunks first. Nothing reaches a channel before `post()`."""
+
+    def __init__(self) -> None:
+        self._posts: dict[_Mailbox, list[tuple[ChunkChannel, object]]] = {}
+
+    def put(self, channel: ChunkChannel, chunk: AudioChunk) -> None:
+        self._add(channel, chunk)
+
+    def finish(self, channel: ChunkChannel) -> None:
+        self._add(channel, _END)
+
+    def fail(self, channel: ChunkChannel, error: BaseException) -> None:
+        self._add(channel, error)
+
+    def _add(self, channel: ChunkChannel, item: object) -> None:
+        items = self._posts.get(channel._mailbox)
+        if items is None:
+            items = self._posts[channel._mailbox] = []
+        items.append((channel, item))
+
+    def post(self) -> None:
+        posts, self._posts = self._posts, {}
+        for mailbox, items in posts.items():
+            mailbox.post_many(items)
 
 
 class ChunkChannel:

@@ -31,7 +31,7 @@ from engine.api import (
     UnknownVoice,
     WordTiming,
 )
-from engine.bridge import ChunkChannel
+from engine.bridge import ChunkBatch, ChunkChannel
 from engine.core import EngineCore
 from engine.kv_cache import KVCacheLayout, KVCacheManager
 from engine.models.codec import Code2Wav
@@ -460,27 +460,34 @@ class Qwen3Engine:
 
     # -- outputs (step thread) -----------------------------------------------------------------
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
-        for o in outs:
-            stream = self._streams.get(o.request_id)
-            if stream is None:
-                continue
-            for seg in o.finished_segments:
-                stream.pending_words += estimate_words(seg)
-            if o.audio is not None:
-                words, stream.pending_words = tuple(stream.pending_words), []
-                stream.channel.put(AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset, words))
-                stream.samples_sent = o.sample_offset + len(o.audio)
-            if not o.finished:
-                continue
-            del self._streams[o.request_id]
-            if o.status == RequestStatus.FINISHED_STOPPED:
-                stream.channel.put(
-                    AudioChunk(
-                        o.request_id, np.zeros(0, np.float32), stream.samples_sent,
-                        tuple(stream.pending_words), final=True,
-                    )
-                )
-            elif o.status == RequestStatus.FINISHED_ERROR:
-                stream.channel.fail(EngineError(o.error or "synthesis failed"))
-            else:
-                stream.channel.finish()
+        batch = ChunkBatch()  # the step's chunks reach the event loop together
+        try:
+            for o in outs:
+                stream = self._streams.get(o.request_id)
+                if stream is not None:
+                    self._emit(stream, o, batch)
+        finally:
+            batch.post()
+
+    def _emit(self, stream: Qwen3Stream, o: RequestOutput, batch: ChunkBatch) -> None:
+        for seg in o.finished_segments:
+            stream.pending_words += estimate_words(seg)
+        if o.audio is not None:
+            words, stream.pending_words = tuple(stream.pending_words), []
+            batch.put(stream.channel, AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset, words))
+            stream.samples_sent = o.sample_offset + len(o.audio)
+        if not o.finished:
+            return
+        del self._streams[o.request_id]
+        if o.status == RequestStatus.FINISHED_STOPPED:
+            batch.put(
+                stream.channel,
+                AudioChunk(
+                    o.request_id, np.zeros(0, np.float32), stream.samples_sent,
+                    tuple(stream.pending_words), final=True,
+                ),
+            )
+        elif o.status == RequestStatus.FINISHED_ERROR:
+            batch.fail(stream.channel, EngineError(o.error or "synthesis failed"))
+        else:
+            batch.finish(stream.channel)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment  # noqa: E402
-from engine.bridge import ChunkChannel  # noqa: E402
+from engine.bridge import ChunkBatch, ChunkChannel  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
 from engine.plan import RequestOutput, StepOutput, StepPlan  # noqa: E402
@@ -156,20 +156,24 @@ class HostOnlyEngine:
         segment.prompt_len = PROMPT_LEN
 
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
-        for o in outs:
-            stream = self.streams.get(o.request_id)
-            if stream is None:
-                continue
-            if o.audio is not None:
-                samples = np.asarray(o.audio, np.float32)
-                stamp(samples)
-                stream.channel.put(AudioChunk(o.request_id, samples, o.sample_offset))
-            if o.finished:
-                del self.streams[o.request_id]
-                if o.status == RequestStatus.FINISHED_STOPPED:
-                    stream.channel.put(AudioChunk(o.request_id, np.zeros(0, np.float32), 0, final=True))
-                else:
-                    stream.channel.finish()
+        batch = ChunkBatch()  # as the Qwen3 engine: the step's chunks reach the event loop together
+        try:
+            for o in outs:
+                stream = self.streams.get(o.request_id)
+                if stream is None:
+                    continue
+                if o.audio is not None:
+                    samples = np.asarray(o.audio, np.float32)
+                    stamp(samples)
+                    batch.put(stream.channel, AudioChunk(o.request_id, samples, o.sample_offset))
+                if o.finished:
+                    del self.streams[o.request_id]
+                    if o.status == RequestStatus.FINISHED_STOPPED:
+                        batch.put(stream.channel, AudioChunk(o.request_id, np.zeros(0, np.float32), 0, final=True))
+                    else:
+                        batch.finish(stream.channel)
+        finally:
+            batch.post()
 
 
 def build(streams: int, gpu_ms: float, switch_interval_ms: float | None, window_s: float = 0.0) -> HostOnlyEngine:
