@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.api import AudioChunk, EngineError
-from engine.bridge import ChunkChannel, LoopChunkChannel, listen
+from engine.bridge import ChunkBatch, ChunkChannel, LoopChunkChannel, listen
 
 
 def chunk(rid: str, offset: int) -> AudioChunk:
@@ -45,6 +45,31 @@ async def test_a_burst_over_many_channels_wakes_the_loop_once_and_keeps_each_cha
         loop.call_soon_threadsafe = real  # type: ignore[method-assign]
     assert got == [list(range(10))] * 10
     assert wakes == 1
+
+
+async def test_a_batch_reaches_its_channels_only_when_posted_in_order_with_its_ends_and_errors() -> None:
+    done, failed, cut = ChunkChannel(), ChunkChannel(), ChunkChannel()
+
+    def engine_step() -> None:
+        batch = ChunkBatch()
+        for offset in range(3):
+            batch.put(done, chunk("a", offset))
+        batch.put(failed, chunk("b", 0))
+        batch.fail(failed, EngineError("gpu fell over"))
+        batch.finish(cut)
+        assert done.pending() == 0  # nothing is handed out before post()
+        batch.post()
+
+    thread = threading.Thread(target=engine_step)
+    thread.start()
+    thread.join()
+    assert [c.sample_offset async for c in done] == [0, 1, 2]
+    assert [c async for c in cut] == []
+    seen = []
+    with pytest.raises(EngineError, match="gpu fell over"):
+        async for c in failed:
+            seen.append(c.sample_offset)
+    assert seen == [0]
 
 
 async def test_a_failure_reaches_the_consumer_after_the_chunks_before_it() -> None:
