@@ -54,6 +54,7 @@ async def test_a_batch_reaches_its_channels_only_when_posted_in_order_with_its_e
         batch = ChunkBatch()
         for offset in range(3):
             batch.put(done, chunk("a", offset))
+        batch.finish(done)
         batch.put(failed, chunk("b", 0))
         batch.fail(failed, EngineError("gpu fell over"))
         batch.finish(cut)
