@@ -553,14 +553,17 @@ class Scheduler:
         return _WAIT
 
     def _first_audio_now(self, plan: StepPlan) -> list[FirstAudio]:
-        """Sampling rows that produce their request's first frame, when the first chunk is one frame."""
+        """Sampling rows that produce their request's first frame, when the first chunk is one frame.
+        Only prompt chunks can: a decoding request has sampled a frame already."""
         out = []
-        for rid in plan.sampling_rows:
-            r = self.requests[rid]
+        for c in plan.prefill:
+            if not c.samples_frame:
+                continue
+            r = self.requests[c.request_id]
             if r.codes or r.chunks_emitted or r.codec_slot is None:  # not fresh (most rows)
                 continue
             if self._chunk_target(r.schedule, 0) == 1:
-                out.append(FirstAudio(rid, r.codec_slot))
+                out.append(FirstAudio(c.request_id, r.codec_slot))
         return out
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
