@@ -269,9 +269,13 @@ class Scheduler:
                 continue
             status = r.status
             if status == _DECODING:
-                if len(decode) < limit:  # positional: this runs once per row and step
-                    decode.append(DecodeRow(r.request_id, _slot(r.kv_slot), _slot(r.codec_slot), seg.prefilled,
-                                            seg.frames, len(r.codes), seg.payload, r.sampling))
+                if len(decode) < limit:
+                    kv_slot, codec_slot = r.kv_slot, r.codec_slot
+                    if kv_slot is None or codec_slot is None:
+                        raise RuntimeError("request holds no slot")
+                    # positional arguments: half the cost of keywords, once per row and step
+                    decode.append(DecodeRow(r.request_id, kv_slot, codec_slot, seg.prefilled, seg.frames,
+                                            len(r.codes), seg.payload, r.sampling))
             elif status == _PREFILLING:
                 prefilling.append(r)
         return prefilling
