@@ -8,7 +8,8 @@ ChunkChannels as the Qwen3 engine's do. It is served from a worker process (engi
 of `--frames` frames open (closed loop) and consumes their chunks.
 
 Reported per level: steps per second against the ideal 1000 / gpu_ms, the step thread's host time
-per step (schedule + update + outputs), audio seconds delivered per second, and CPU of the worker
+per step (schedule + update + outputs) and its CPU time in it (the rest waits for the GIL or the
+OS), both averaged from the worker's start, audio seconds delivered per second, and CPU of the worker
 process and of this one. A step interval far above gpu_ms at many streams is host overhead that a
 GPU run pays too. Also the hand-off latency: from the step thread's `put` of a chunk to this
 process's consumer receiving it (p50/p90/p99, ms), for every chunk and for each request's first
@@ -73,7 +74,9 @@ class SleepRunner:
     def __init__(self, gpu_s: float) -> None:
         self.gpu_s = gpu_s
         self.host_s = 0.0  # host time of the step thread outside the waits, summed
+        self.host_cpu_s = 0.0  # the step thread's CPU time in it (the rest: waits for the GIL)
         self._last = time.perf_counter()
+        self._last_cpu = time.thread_time()
         self.starts: deque[float] = deque(maxlen=100_000)  # each step's start (perf_counter)
 
     def intervals_since(self, t: float) -> list[float]:
@@ -84,11 +87,13 @@ class SleepRunner:
         start = time.perf_counter()
         self.starts.append(start)
         self.host_s += start - self._last
+        self.host_cpu_s += time.thread_time() - self._last_cpu
         time.sleep(self.gpu_s)
         codes = [[7] * 16 for _ in plan.sampling_rows]
         audio = {c.request_id: np.zeros(c.num_frames * SAMPLES_PER_FRAME, np.float32) for c in plan.codec}
         audio |= {f.request_id: np.zeros(SAMPLES_PER_FRAME, np.float32) for f in plan.first_audio_now}
         self._last = time.perf_counter()
+        self._last_cpu = time.thread_time()
         return StepOutput(codes=codes, audio=audio)
 
 
@@ -136,7 +141,8 @@ class HostOnlyEngine:
 
     def load(self) -> EngineLoad:
         steps = max(1, self.core.steps)
-        extra = {"steps": float(self.core.steps), "host_ms_per_step": 1000 * self.runner.host_s / steps}
+        extra = {"steps": float(self.core.steps), "host_ms_per_step": 1000 * self.runner.host_s / steps,
+                 "host_cpu_ms_per_step": 1000 * self.runner.host_cpu_s / steps}
         extra |= percentiles_ms(self.runner.intervals_since(time.perf_counter() - self.window_s), "step_interval")
         return EngineLoad(active=self.scheduler.num_active, queued=self.scheduler.num_queued,
                           capacity=self.scheduler.config.codec_slots, queue_limit=self.scheduler.config.queue_limit,
@@ -227,6 +233,7 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         "ideal_steps_per_s": round(1000 / args.gpu_ms, 1),
         "step_interval_ms": round(1000 * wall / max(1.0, steps), 2),
         "host_ms_per_step": round(after[0]["host_ms_per_step"], 2),
+        "host_cpu_ms_per_step": round(after[0]["host_cpu_ms_per_step"], 2),
         "audio_s_per_s": round((after[1] - before[1]) / 24_000 / wall, 1),
         "worker_cpu_pct": round(100 * (after[0]["worker_cpu_seconds"] - before[0]["worker_cpu_seconds"]) / wall, 1),
         "this_process_cpu_pct": round(100 * (sum(after[3][:2]) - sum(before[3][:2])) / wall, 1),
