@@ -70,6 +70,7 @@ class CodecChunk:
 class FirstAudio:
     request_id: str
     codec_slot: int
+    frame: int = 0  # the sampled frame's index on the request's timeline (0: its first audio)
 
 
 @dataclass(slots=True)

@@ -401,13 +401,14 @@ class Runner:
         return collect
 
     def _first_audio_chunks(self, plan: StepPlan, codes: list[list[int]]) -> list[CodecChunk]:
-        """One-frame chunks of the requests whose first frame this step sampled (EOS gives none)."""
+        """One-frame chunks of the frames this step sampled that are decoded in it: requests' first
+        frames and frames whose listener runs low (plan.first_audio_now; EOS gives none)."""
         if not plan.first_audio_now:
             return []
         row = {rid: i for i, rid in enumerate(plan.sampling_rows)}
         return [
-            CodecChunk(request_id=f.request_id, codec_slot=f.codec_slot, first_frame=0,
-                       codes=[codes[row[f.request_id]]], first_chunk=True)
+            CodecChunk(request_id=f.request_id, codec_slot=f.codec_slot, first_frame=f.frame,
+                       codes=[codes[row[f.request_id]]], first_chunk=f.frame == 0)
             for f in plan.first_audio_now if codes[row[f.request_id]][0] != self.eos
         ]
 

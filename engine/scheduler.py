@@ -78,6 +78,14 @@ class SchedulerConfig:
     # Code2Wav into more, smaller launches and more streams underran (58 % against 28 %), though
     # fewer did at 256 (2.3 % against 4.6 %; deploy/bench/README.md, seventh session)
     urgent_codec_chunks: bool = False
+    # rows per step whose just-sampled frame is decoded in the same step, like a first frame, because
+    # their listener would run dry before that frame's next-step launch and delivery (the most urgent
+    # first; a stream with a chunk in the step is left out). With a deferring runner a stream's second
+    # chunk otherwise comes three steps after its first audio, and long steps early in a stream were
+    # where most underruns began. Simulated on the H200's costs (scripts/sim_engine.py, delivery
+    # jitter as measured): underruns at 256/384/512 streams 2.4/6.9/22 % -> 0.0/0.0/0.1 %, the step
+    # +0.5 ms; not yet measured on a GPU. 0: off
+    max_now_frame_rows: int = 64
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
     def __post_init__(self) -> None:
@@ -252,7 +260,7 @@ class Scheduler:
             r = self.requests[c.request_id]
             r.frames_launched += c.num_frames
             r.chunks_emitted += 1
-        plan.first_audio_now = self._first_audio_now(plan)
+        plan.first_audio_now = self._first_audio_now(plan, now)
         plan.audio_in_flight = any(r.frames_launched != r.frames_decoded for r in self.requests.values())
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
@@ -303,10 +311,10 @@ class Scheduler:
             r = requests.get(rid)
             if r is not None and r.status < _FINISHED:
                 append_frame(r, codes, out_for)
-        for f in plan.first_audio_now:  # a first frame decoded in its own step (none when it was EOS)
+        for f in plan.first_audio_now:  # a frame decoded in its own step (none when it was EOS)
             r = self._live(f.request_id)
-            if r is not None and r.frames_generated and not r.frames_launched:
-                r.frames_launched, r.chunks_emitted = 1, r.chunks_emitted + 1
+            if r is not None and r.frames_generated > f.frame and r.frames_launched == f.frame:
+                r.frames_launched, r.chunks_emitted = f.frame + 1, r.chunks_emitted + 1
         delivered = output.delivered
         if delivered is None:  # the runner decoded this plan's chunks in this step
             delivered = [(c.request_id, c.num_frames) for c in plan.codec]
@@ -556,9 +564,10 @@ class Scheduler:
             return self._snap(pending), EARLY
         return _WAIT
 
-    def _first_audio_now(self, plan: StepPlan) -> list[FirstAudio]:
-        """Sampling rows that produce their request's first frame, when the first chunk is one frame.
-        Only prompt chunks can: a decoding request has sampled a frame already."""
+    def _first_audio_now(self, plan: StepPlan, now: float) -> list[FirstAudio]:
+        """Sampling rows whose frame is decoded in this step: requests' first frames, when the first
+        chunk is one frame (only prompt chunks can sample one: a decoding request has sampled a frame
+        already), and up to `max_now_frame_rows` frames whose listener runs low."""
         out = []
         for c in plan.prefill:
             if not c.samples_frame:
@@ -568,7 +577,28 @@ class Scheduler:
                 continue
             if self._chunk_target(r.schedule, 0) == 1:
                 out.append(FirstAudio(c.request_id, r.codec_slot))
+        if self.config.max_now_frame_rows:
+            out += self._frames_running_low(plan, now)
         return out
+
+    def _frames_running_low(self, plan: StepPlan, now: float) -> list[FirstAudio]:
+        """Sampling rows of streams whose listener would run dry before the frame sampled now could
+        be launched in the next step and delivered (the most urgent first, at most
+        `max_now_frame_rows`); a stream with a chunk in this step is left out (its chunk comes first)."""
+        wait = self.config.safety_margin_s + (2 + self.config.codec_delivery_steps) * self.step_time_s
+        in_step = {c.request_id for c in plan.codec}
+        requests = self.requests
+        low: list[tuple[float, int, Request]] = []
+        for i, rid in enumerate(plan.sampling_rows):
+            r = requests[rid]
+            if (r.chunks_emitted and r.codec_slot is not None and len(r.codes) == r.frames_launched
+                    and rid not in in_step):
+                deadline = r.deadline
+                if deadline - now < wait:
+                    low.append((deadline, i, r))
+        low.sort(key=lambda e: (e[0], e[1]))
+        chosen = low[: self.config.max_now_frame_rows]
+        return [FirstAudio(r.request_id, _slot(r.codec_slot), len(r.codes)) for _, _, r in chosen]
 
     def _schedule_codec(self, now: float) -> list[CodecChunk]:
         config = self.config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,32 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer)
     assert [w.char_start for w in words] == [0, 6, 13, 18]
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
+async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_audio(bundle, defer):
+    _, codec = bundle
+    engine = make_engine(bundle, defer_codec=defer, scheduler_overrides=("max_now_frame_rows=64",))
+    ticks = itertools.count()
+    engine.scheduler.clock = lambda: 0.03 * next(ticks)  # slow steps: every listener runs low
+    planned = engine.scheduler._first_audio_now
+    now_frames: list[int] = []
+
+    def recording(plan, now):
+        out = planned(plan, now)
+        now_frames.extend(f.frame for f in out)
+        return out
+
+    engine.scheduler._first_audio_now = recording
+    texts = {"a": ("Hello world. How are you?", 9), "b": ("The quick brown fox jumps.", 7)}
+    opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
+    drive(engine)
+    assert sum(1 for f in now_frames if f) >= 4  # later frames went through the path, not only first ones
+    for rid, (stream, state) in opened.items():
+        audio = np.concatenate([c.samples for c in await collect(stream)])
+        with torch.no_grad():
+            offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
+        np.testing.assert_allclose(audio, offline, atol=1e-4, err_msg=rid)
+
+
 async def test_cancel_frees_the_slot_at_the_next_step(bundle):
     engine = make_engine(bundle, kv_slots=1, max_streams=2)
     stream_a, a = open_greedy(engine, "a", "Hello world.", 50)
@@ -216,6 +244,7 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
     first chunks with their own, after the same stream's deferred chunk when both come at once."""
     engine = make_engine(bundle, defer_codec=True)
     engine.scheduler.config.urgent_codec_chunks = urgent
+    engine.scheduler.config.max_now_frame_rows = 0  # slow CPU steps would decode every frame in its step
     if urgent:  # a slow step (as on this CPU): every short chunk's listener is about to run dry
         engine.scheduler.config.safety_margin_s = 10.0
     steps = []

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.api import ChunkSchedule, Overloaded, Priority
-from engine.request import RequestStatus
+from engine.request import SAMPLES_PER_FRAME, RequestStatus
 from engine.scheduler import SchedulerConfig, chunk_frames
 from tests.engine.utils import (
     FakeClock,
@@ -344,7 +346,10 @@ def test_a_one_frame_first_chunk_is_decoded_in_the_step_that_samples_it():
     assert b.chunks_emitted == 0 and b.frames_pending == 1
     assert c.chunks_emitted == 0 and c.frames_generated == 0  # an EOS first frame makes no audio
     later = sched.schedule()
-    assert not later.first_audio_now and "r0" not in [x.request_id for x in later.codec]
+    assert "r0" not in [x.request_id for x in later.codec]
+    # no first frame is left; r0's listener holds one frame (80 ms), short of the margin and two
+    # steps: its next frame is decoded in the step that samples it (max_now_frame_rows)
+    assert [(f.request_id, f.frame) for f in later.first_audio_now] == [("r0", 1)]
 
 
 def test_final_flush_uses_bucket_sizes():
@@ -599,3 +604,54 @@ def test_config_override_sets_typed_fields_and_rejects_bad_names_and_types():
                          ("urgent_codec_chunks=1", "expected bool"), ("codec_frame_buckets=[2]", "must contain 1")]:
         with pytest.raises(ValueError, match=message):
             SchedulerConfig().override([bad])
+
+
+def _frames_decoded_now(dt: float, rows: int, n: int = 1, frames: int = 30):
+    """Requests of `frames` frames with `dt` seconds per step: the frames each step decodes in the step
+    that samples them (request id, frame), and each request's audio offsets."""
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock, safety_margin_s=0.1, max_now_frame_rows=rows)
+    reqs = create_requests(n, prompt_len=3, max_frames=frames)
+    for r in reqs:
+        sched.add_request(r)
+    now: list[list[tuple[str, int]]] = []
+    audio: dict[str, list[tuple[int, int]]] = {r.request_id: [] for r in reqs}
+    for _ in range(frames * 3):
+        plan = sched.schedule()
+        now.append([(f.request_id, f.frame) for f in plan.first_audio_now])
+        chunked = {c.request_id for c in plan.codec}
+        assert not any(frame and rid in chunked for rid, frame in now[-1])  # never beside its own chunk
+        clock.t += dt
+        for o in sched.update(plan, fake_output(plan)):
+            if o.audio is not None:
+                audio[o.request_id].append((o.sample_offset, len(o.audio)))
+        if all(r.is_finished for r in reqs):
+            break
+    assert all(r.status == RequestStatus.FINISHED_STOPPED for r in reqs)
+    for spans in audio.values():  # every stream's audio contiguous and complete
+        assert [off for off, _ in spans] == list(itertools.accumulate([0] + [n for _, n in spans[:-1]]))
+        assert sum(n for _, n in spans) == frames * SAMPLES_PER_FRAME
+    return now
+
+
+def test_a_frame_whose_listener_runs_low_is_decoded_in_the_step_that_samples_it():
+    # 60 ms a step against 80 ms of audio a frame: the buffer stays short for several frames
+    frames = [f for step in _frames_decoded_now(0.06, rows=64) for _, f in step]
+    assert frames[0] == 0 and len(frames) >= 4 and frames == sorted(set(frames))
+
+
+def test_only_first_frames_are_decoded_in_their_step_when_the_option_is_off():
+    frames = [f for step in _frames_decoded_now(0.06, rows=0) for _, f in step]
+    assert frames == [0]
+
+
+def test_a_listener_with_time_to_spare_waits_for_its_scheduled_chunks():
+    # 10 ms a step: after a frame or two the buffer outgrows the margin and chunks grow again
+    frames = [f for step in _frames_decoded_now(0.01, rows=64) for _, f in step]
+    assert frames[0] == 0 and len(frames) <= 3
+
+
+def test_at_most_the_cap_of_such_frames_a_step():
+    steps = _frames_decoded_now(0.06, rows=1, n=4)
+    later = [[(rid, f) for rid, f in step if f] for step in steps]
+    assert max(len(s) for s in later) == 1 and sum(len(s) for s in later) >= 4
