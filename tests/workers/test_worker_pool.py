@@ -98,6 +98,8 @@ async def test_new_requests_go_to_the_least_loaded_worker() -> None:
         assert pool.load().extra["workers_alive"] == 2
         # each worker reports its process's CPU time; the pool sums them (the load test's CPU share)
         assert 0 < pool.load().extra["worker_cpu_seconds"] < 600
+        # what each worker's start-up made is frozen out of the cyclic collector's reach
+        assert pool.load().extra["worker_gc_frozen_objects"] > 2 * 10_000
         for s in (streams[1], streams[3], nxt):
             s.cancel()
     finally:
