@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import ChunkSchedule, Priority, TextSegment
+from engine.plan import Frame
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1_920
@@ -76,7 +77,7 @@ class Request:
     current: Segment | None = None  # the segment being synthesised
     done_segments: list[Segment] = field(default_factory=list)
     text_closed: bool = False
-    codes: list[list[int]] = field(default_factory=list)  # every generated frame: 16 codes each
+    codes: list[Frame] = field(default_factory=list)  # every generated frame: 16 codes each
     frames_decoded: int = 0  # frames whose audio came back from Code2Wav
     frames_launched: int = 0  # frames handed to Code2Wav (their audio may still be on its way)
     chunks_emitted: int = 0  # chunks handed to Code2Wav

@@ -41,7 +41,7 @@ from engine.models import decode_attention, fused_norm, fused_rope
 from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
-from engine.plan import CodecChunk, DecodeRow, PrefillChunk, StepOutput, StepPlan
+from engine.plan import CodecChunk, DecodeRow, Frame, PrefillChunk, StepOutput, StepPlan
 from engine.prefix_cache import PrefixKVCache
 from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
 from engine.sampler import (
@@ -321,7 +321,7 @@ class Runner:
         if plan.prefill:
             fig.rows("batch_prefill", len(plan.prefill))
             fig.rows("prefill_tokens", sum(c.length for c in plan.prefill))
-        codes: list[list[int]] = []
+        codes: list[Frame] = []
         sampled: _SampledCodes | None = None
         if meta:
             t = fig.start()
@@ -400,7 +400,7 @@ class Runner:
             self.figures.stop("codec", t)
         return collect
 
-    def _first_audio_chunks(self, plan: StepPlan, codes: list[list[int]]) -> list[CodecChunk]:
+    def _first_audio_chunks(self, plan: StepPlan, codes: list[Frame]) -> list[CodecChunk]:
         """One-frame chunks of the frames this step sampled that are decoded in it: requests' first
         frames and frames whose listener runs low (plan.first_audio_now; EOS gives none)."""
         if not plan.first_audio_now:
@@ -571,12 +571,12 @@ class Runner:
         done.record()
         return _SampledCodes(host, done)
 
-    def _read_codes(self, sampled: _SampledCodes) -> list[list[int]]:
+    def _read_codes(self, sampled: _SampledCodes) -> list[Frame]:
         """The step's one host read of sampled codes: waits for the sampling only, not for work
-        queued behind it."""
+        queued behind it. One tuple per row (engine.plan.Frame)."""
         if sampled.done is not None:
             sampled.done.synchronize()
-        return sampled.host.tolist()
+        return list(map(tuple, sampled.host.tolist()))
 
     def _sample_fn(self, b: int, bounded: bool) -> Callable[[], None]:
         def fn() -> None:

@@ -29,6 +29,7 @@ from engine.plan import (
     CodecChunk,
     DecodeRow,
     FirstAudio,
+    Frame,
     PrefillChunk,
     PrefixCopy,
     RequestOutput,
@@ -484,7 +485,7 @@ class Scheduler:
         return seg.cap
 
     def _append_frame(
-        self, r: Request, codes: list[int], out_for: Callable[[Request], RequestOutput]
+        self, r: Request, codes: Frame, out_for: Callable[[Request], RequestOutput]
     ) -> None:
         seg = r.current
         assert seg is not None
