@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from engine.api import AudioChunk, EngineError
 
@@ -34,6 +34,18 @@ class ChunkListener(Protocol):
 
     def fail(self, error: BaseException) -> None:
         """The stream failed (the error as the engine reported it)."""
+
+
+_Item = TypeVar("_Item")
+
+
+def _hand_queued(listener: ChunkListener, items: deque[_Item]) -> bool:
+    """Hand queued items to a listener in order; True when one ended the stream (the rest dropped)."""
+    while items:
+        if _hand(listener, items.popleft()):
+            items.clear()
+            return True
+    return False
 
 
 def _hand(listener: ChunkListener, item: object) -> bool:
@@ -194,10 +206,8 @@ class ChunkChannel:
     def listen(self, listener: ChunkListener) -> None:
         """Hand items to `listener` from now on (what is queued first), instead of iterating."""
         self._listener = listener
-        while self._items:
-            if _hand(listener, self._items.popleft()):
-                self._closed = True
-                self._items.clear()
+        if _hand_queued(listener, self._items):
+            self._closed = True
 
     def pending(self) -> int:
         return len(self._items)
@@ -276,10 +286,8 @@ class LoopChunkChannel:
     def listen(self, listener: ChunkListener) -> None:
         """Hand items to `listener` from now on (what is queued first), instead of iterating."""
         self._listener = listener
-        while self._items:
-            if _hand(listener, self._items.popleft()):
-                self._closed = True
-                self._items.clear()
+        if _hand_queued(listener, self._items):
+            self._closed = True
 
     def _push(self, item: AudioChunk | BaseException | None) -> None:
         if self._closed:
