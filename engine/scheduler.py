@@ -492,9 +492,9 @@ class Scheduler:
         if codes[0] == self.config.eos_code:
             seg.done = True
         else:
-            # the runner's row becomes the request's frame (StepOutput.codes): a copy per row and
-            # step would only feed the garbage collector
-            r.codes.append(codes if type(codes) is list else list(codes))
+            # the runner's row (a tuple, engine.plan.Frame) becomes the request's frame: a copy per
+            # row and step would only feed the garbage collector
+            r.codes.append(codes)
             seg.frames += 1
             seg.done = seg.frames >= (seg.cap or self._segment_cap(seg))
         if not seg.done:
@@ -597,7 +597,7 @@ class Scheduler:
                 deadline = r.deadline
                 if deadline - now < wait:
                     low.append((deadline, i, r))
-        low.sort(key=lambda e: (e[0], e[1]))
+        low.sort()  # by deadline, then row (unique: the tuples never compare further)
         chosen = low[: self.config.max_now_frame_rows]
         return [FirstAudio(r.request_id, _slot(r.codec_slot), len(r.codes)) for _, _, r in chosen]
 

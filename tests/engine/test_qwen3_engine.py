@@ -195,6 +195,8 @@ async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_aud
     opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
     drive(engine)
     assert sum(1 for f in now_frames if f) >= 4  # later frames went through the path, not only first ones
+    # a request keeps the runner's rows as its frames: tuples, which the cyclic collector skips
+    assert all(type(f) is tuple for _, state in opened.values() for f in state.codes)
     for rid, (stream, state) in opened.items():
         audio = np.concatenate([c.samples for c in await collect(stream)])
         with torch.no_grad():
