@@ -31,6 +31,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-first-chunk-lane", dest="first_chunk_lane", action="store_false",
                    default=_env("first_chunk_lane", "1") != "0",
                    help="decode first chunks after the step's later Code2Wav chunks, on one stream")
+    p.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
+                   default=_env("fused_layers", "1") != "0",
+                   help="talker and code predictor layers on eager ops instead of the fused kernels")
     p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
                    default=(_env("scheduler", "") or "").split(),
                    help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
@@ -83,6 +86,7 @@ def serve_main(argv: list[str]) -> int:
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
         dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap, first_chunk_lane=args.first_chunk_lane,
+        fused_layers=args.fused_layers,
         max_streams=args.max_streams, scheduler=tuple(args.scheduler), gpus=args.gpus,
         upstream=args.upstream, upstream_streams=args.upstream_streams,
         upstream_word_timestamps=args.upstream_word_timestamps,

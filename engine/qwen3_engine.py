@@ -70,6 +70,7 @@ class Qwen3EngineConfig:
     defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
     codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks beside (RunnerConfig)
+    fused_layers: bool = True  # decoder layers through engine.models.fused_layer on CUDA bf16 (RunnerConfig)
     scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
@@ -239,6 +240,7 @@ class Qwen3Engine:
                 codec_frame_buckets=ec.codec_frame_buckets, max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
                 enforce_eager=ec.enforce_eager, defer_codec=ec.defer_codec, codec_overlap=ec.codec_overlap,
                 first_chunk_lane=ec.first_chunk_lane, codec_state_cache_bytes=ec.codec_state_cache_bytes,
+                fused_layers=ec.fused_layers,
             ),
         )
         self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)

@@ -37,7 +37,7 @@ from torch import Tensor
 from engine import sampling_kernel
 from engine.codec_state_cache import CodecStateCache
 from engine.cuda_graphs import GraphBank, batch_buckets, bucket_for
-from engine.models import decode_attention, fused_norm, fused_rope
+from engine.models import decode_attention, fused_layer, fused_norm, fused_rope
 from engine.models.codec import Code2Wav
 from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
@@ -117,6 +117,9 @@ class RunnerConfig:
     first_chunk_lane: bool = True
     # Code2Wav state after a clone's reference clip, kept per voice (engine.codec_state_cache)
     codec_state_cache_bytes: int = 64 << 20
+    # talker and code-predictor layers as nine kernels each (engine.models.fused_layer; CUDA bf16),
+    # set up by capture(), after any FP8 quantisation of the linears
+    fused_layers: bool = True
 
 
 
@@ -203,6 +206,7 @@ class Runner:
             sampling_kernel.check(dev)
             fused_norm.check(dev)
             fused_rope.check(dev)
+            fused_layer.check(dev)
         # codec_overlap: later Code2Wav chunks on a stream of the lowest priority, the talker's work
         # on one of the highest, so the GPU's block scheduler runs Code2Wav's kernels in the SMs
         # the talker's leave idle instead of the two sharing them evenly
@@ -786,9 +790,19 @@ class Runner:
             keys += [("codec_first", b, f) for b in reversed(self.codec_batches) for f in first]
         return keys
 
+    def fuse_layers(self) -> None:
+        """The talker's and the code predictor's layers on the fused kernels (CUDA bf16, once)."""
+        if not (self.config.fused_layers and self.device.type == "cuda" and self.dtype == torch.bfloat16):
+            return
+        for stack in (self.talker.model, self.talker.code_predictor.model):
+            if not stack.fused:
+                stack.fuse_layers()
+
     @torch.no_grad()
     def capture(self, progress: Callable[[int, int, object], None] | None = None) -> int:
-        """Capture all graphs (no-op when eager or on CPU); returns the number captured."""
+        """Capture all graphs (no-op when eager or on CPU); returns the number captured. First the
+        decoder layers are fused (RunnerConfig.fused_layers), eager or not."""
+        self.fuse_layers()
         if not self.graphs.enabled:
             return 0
         keys = self.graph_keys()

@@ -26,6 +26,9 @@
 #                                                         --codec-overlap one; stream and figure tests
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 13   # two GPUs: the default sweep alone on one; the
 #                                                         stream, figure and graph tests on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 14   # two GPUs: the default sweep (py-spy at C=512) on
+#                                                         one; eager against fused layers and every GPU
+#                                                         test on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -159,5 +162,15 @@ case "${1:-}" in
        tests/gpu/test_step_syncs.py tests/gpu/test_graphs.py) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13"; exit 2 ;;
+  14)  # two GPUs: the default sweep on GPU 0, its server's stacks sampled at C=512; on GPU 1 the
+       # decoder layers eager against fused (graph replays alone), then every GPU test
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     TAIL=12 run 150 layers $PY scripts/gpu_layer_bench.py --batches 1 64 256 512 --json "$OUTDIR/layers.json"
+     run 330 gpu-tests $PY -m pytest -q tests/gpu -p no:cacheprovider) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14"; exit 2 ;;
 esac

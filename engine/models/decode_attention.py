@@ -33,12 +33,12 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
         q_row, q_head, k_slot, k_head, k_pos, v_slot, v_head, v_pos, o_row, o_head,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, ONE_LENGTH: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         slot = tl.load(slots_ptr + row).to(tl.int64)
-        length = tl.load(lengths_ptr + row)
+        length = lengths_ptr if ONE_LENGTH else tl.load(lengths_ptr + row)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         heads = kv_head * GROUP + g
@@ -67,19 +67,26 @@ if triton is not None:
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, scale: float) -> Tensor:
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor | int, scale: float
+) -> Tensor:
     """q [B, Hq, D]; k_cache/v_cache [slots, Hkv, max_len, D] (one layer, unit stride in D);
-    slots [B]; lengths [B] (>= 1, positions 0..length-1 attended) -> [B, Hq, D]."""
+    slots [B]; lengths [B] (>= 1, positions 0..length-1 attended), or one length for every row
+    (the code predictor's frame loop) -> [B, Hq, D]."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
+    one_length = isinstance(lengths, int)
+    if isinstance(lengths, Tensor) and lengths.dtype != torch.int32:
+        lengths = lengths.to(torch.int32)
     _decode_kernel[(b, hkv)](
-        q, k_cache, v_cache, out, slots, lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32), scale,
+        q, k_cache, v_cache, out, slots, lengths, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, HEAD_DIM=d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (parity runs)
+        ONE_LENGTH=one_length,
     )
     return out

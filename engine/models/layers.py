@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.models import decode_attention, fused_norm, fused_rope
+from engine.models import decode_attention, fused_layer, fused_norm, fused_rope
 from engine.models.config import DecoderShape
 
 
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, shape.rms_norm_eps)
         self.k_norm = RMSNorm(d, shape.rms_norm_eps)
+        self.qkv_weight: Tensor | None = None  # q, k, v weights as one (DecoderStack.fuse_layers)
 
     def forward(
         self,
@@ -149,12 +150,39 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=self.head_dim**-0.5,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
+    def forward_fused(self, x: Tensor, step: FusedStep, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """x [N, H] (the step's tokens, row-major) -> attention output [N, H], through
+        engine.models.fused_layer (CUDA, bf16); the same attention as forward()."""
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split((hq * d, hkv * d, hkv * d), dim=1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = fused_layer.qkv_post(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                 step.cos, step.sin, k_cache, v_cache, step.token_slots, step.token_positions)
+        b, t = step.batch, step.tokens
+        if step.decode_rows is not None:  # one token a row: the decode kernel, straight from the cache
+            out = decode_attention.decode_attention(q, k_cache, v_cache, step.decode_rows, step.decode_lengths,
+                                                    self.head_dim**-0.5)
+            return self.o_proj(out.reshape(b, hq * d))
+        q4 = q.view(b, t, hq, d).transpose(1, 2)
+        if step.slots is None:
+            out = self._attend_cached_rows(q4, k_cache, v_cache, step.kv_len)
+        else:
+            out = self._attend_gathered(q4, k_cache, v_cache, step.slots, step.positions, step.kv_len)
+        return self.o_proj(out.transpose(1, 2).reshape(b * t, hq * d))
+
     def _attend_own_rows(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: int) -> Tensor:
-        """Rows 0..B-1 at shared positions kv_len-T..kv_len-1: slice writes, slice reads, and the
-        attention as two small batched matmuls (a handful of keys; SDPA's kernels cost more here)."""
-        b, _, t, d = q.shape
+        """Rows 0..B-1 at shared positions kv_len-T..kv_len-1: slice writes, then the attention."""
+        b, _, t, _ = q.shape
         k_cache[:b, :, kv_len - t : kv_len] = k.to(k_cache.dtype)
         v_cache[:b, :, kv_len - t : kv_len] = v.to(v_cache.dtype)
+        return self._attend_cached_rows(q, k_cache, v_cache, kv_len)
+
+    def _attend_cached_rows(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_len: int) -> Tensor:
+        """Rows 0..B-1, queries at kv_len-T..kv_len-1, keys already cached: slice reads and the
+        attention as two small batched matmuls (a handful of keys; SDPA's kernels cost more here)."""
+        b, _, t, d = q.shape
         keys, values = k_cache[:b, :, :kv_len].to(q.dtype), v_cache[:b, :, :kv_len].to(q.dtype)
         group = self.num_heads // self.num_kv_heads
         grouped = q.reshape(b, self.num_kv_heads, group * t, d)  # query heads of one kv head together
@@ -173,9 +201,18 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: Tensor | None = None  # gate and up weights as one (DecoderStack.fuse_layers)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x: Tensor) -> Tensor:
+        """x [N, H] -> [N, H] through engine.models.fused_layer (CUDA, bf16)."""
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused_layer.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -211,6 +248,18 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_hidden_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(shape.head_dim, shape.rope_theta), persistent=False)
+        self.fused = False  # fuse_layers() was called: CUDA bf16 steps take the fused kernels
+
+    def fuse_layers(self) -> None:
+        """Serve CUDA bf16 steps through engine.models.fused_layer: each layer's q/k/v and gate/up
+        projections become one product each (their weights turned into views of one tensor: same
+        names, values and memory), and the pointwise work runs in three kernels. Call it once the
+        weights are loaded and placed (moving the module afterwards separates the views)."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight = fused_layer.fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.gate_up_weight = fused_layer.fuse_linears(mlp.gate_proj, mlp.up_proj)
+        self.fused = True
 
     def reset_rope(self, device: torch.device | str) -> None:
         """Recompute the RoPE frequencies (after building on the meta device)."""
@@ -222,6 +271,52 @@ class DecoderStack(nn.Module):
     ) -> Tensor:
         """x [B, T, H] input embeddings -> final-normed hidden states [B, T, H] (see Attention)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        if self.fused and fused_layer.available(x):
+            return self._run_fused(x, FusedStep.of(x, cos, sin, positions, slots, kv_len, lengths), cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, kv_len, lengths)
         return self.norm(x)
+
+    def _run_fused(self, x: Tensor, step: FusedStep, cache: KVCache) -> Tensor:
+        """run_layers through the fused kernels: each layer's residual add rides in the next norm."""
+        b, t, hidden = x.shape
+        h, delta = x.reshape(b * t, hidden), None
+        for i, layer in enumerate(self.layers):
+            h, normed = fused_layer.add_rms_norm(h, delta, layer.input_layernorm.weight, layer.input_layernorm.eps)
+            attn = layer.self_attn.forward_fused(normed, step, cache.k[i], cache.v[i])
+            h, normed = fused_layer.add_rms_norm(
+                h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            delta = layer.mlp.forward_fused(normed)
+        return fused_layer.add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1].view(b, t, hidden)
+
+
+@dataclass
+class FusedStep:
+    """What every layer of one fused run_layers call shares (see Attention.forward)."""
+
+    batch: int
+    tokens: int  # per row
+    cos: Tensor  # [B*T, D]
+    sin: Tensor
+    token_slots: Tensor  # [B*T]: each token's cache slot
+    token_positions: Tensor  # [B*T]: its position there
+    slots: Tensor | None
+    positions: Tensor
+    kv_len: int
+    decode_rows: Tensor | None = None  # one token a row through the decode kernel: the rows' slots
+    decode_lengths: Tensor | int = 0  # and the positions each attends
+
+    @classmethod
+    def of(cls, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, slots: Tensor | None, kv_len: int,
+           lengths: Tensor | None) -> FusedStep:
+        b, t, _ = x.shape
+        own = torch.arange(b, device=x.device) if slots is None else None
+        token_slots = (slots if slots is not None else own)[:, None].expand(b, t).reshape(-1)  # type: ignore[index]
+        step = cls(b, t, cos.reshape(b * t, -1), sin.reshape(b * t, -1), token_slots, positions.reshape(-1),
+                   slots, positions, kv_len)
+        if t == 1 and decode_attention.available(x.device):
+            if slots is None:  # the code predictor's frame loop: every row sees kv_len positions
+                step.decode_rows, step.decode_lengths = own, kv_len
+            elif lengths is not None:
+                step.decode_rows, step.decode_lengths = slots, lengths
+        return step

@@ -546,6 +546,89 @@ def fp8_quantize_rows() -> str:
 # -- running ------------------------------------------------------------------------------------------
 
 
+# -- fused decoder layers (engine.models.fused_layer) ---------------------------------------------------
+
+
+@check
+def fused_layer_kernels() -> str:
+    """The module's own device comparison (add + RMSNorm, head norms + rotation + cache writes,
+    SiLU gate product against the eager ops), run here on the CPU."""
+    from engine.models import fused_layer
+
+    fused_layer._compare(torch.device("cpu"))
+    return "add_rms_norm 37 x 2048, qkv_post 6 tokens x (4 + 2) heads, silu_mul 9 x 3000: within 1e-2"
+
+
+@contextlib.contextmanager
+def _decode_kernel_on_cpu() -> Iterator[None]:
+    from engine.models import decode_attention
+
+    available = decode_attention.available
+    decode_attention.available = lambda device: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        decode_attention.available = available  # type: ignore[assignment]
+
+
+@check
+def fused_decoder_stack() -> str:
+    """A whole decoder stack (two layers, GQA) through the fused path against its eager layers, bf16:
+    talker decode (slots, per-row lengths), a talker prompt chunk (slots, three tokens) and the code
+    predictor's loop (own rows: two tokens, then one); outputs and every cache cell written."""
+    from engine.models.config import DecoderShape
+    from engine.models.layers import DecoderStack, FusedStep, KVCache, rope_cos_sin
+
+    shape = DecoderShape(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+                         max_position_embeddings=64, attention_bias=False, hidden_act="silu")
+    gen = torch.Generator().manual_seed(7)
+    stack = DecoderStack(shape)
+    with torch.no_grad():
+        for prm in stack.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=gen) * (0.3 if prm.dim() > 1 else 0.2) + (prm.dim() == 1))
+    stack = stack.to(torch.bfloat16)
+    weights_before = {k: v.clone() for k, v in stack.state_dict().items()}
+    fused = copy.deepcopy(stack)
+    fused.fuse_layers()
+    assert fused.layers[0].self_attn.qkv_weight is not None and fused.layers[0].mlp.gate_up_weight is not None
+    for name, value in fused.state_dict().items():  # same names and values; the projections are views
+        assert torch.equal(value, weights_before[name]), f"fusing changed {name}"
+    q = fused.layers[1].self_attn
+    assert q.k_proj.weight.data_ptr() == q.qkv_weight.data_ptr() + q.q_proj.weight.numel() * 2
+    worst = 0.0
+    cases = (("talker decode", 5, 1, torch.tensor([3, 0, 6, 2, 5]), torch.tensor([[4], [9], [1], [7], [12]]), 13),
+             ("talker prompt chunk", 2, 3, torch.tensor([1, 4]), torch.tensor([[0, 1, 2], [5, 6, 7]]), 8),
+             ("predictor first step", 3, 2, None, torch.arange(2).expand(3, 2), 2),
+             ("predictor later step", 3, 1, None, torch.full((3, 1), 2), 3))
+    with _decode_kernel_on_cpu(), torch.no_grad():
+        predictor: tuple[KVCache, KVCache] | None = None  # its two steps share one cache per path
+        for case, b, t, slots, positions, kv_len in cases:
+            x = (torch.randn(b, t, 64, generator=gen) * 2).to(torch.bfloat16)
+            if slots is not None or predictor is None:
+                eager_cache = KVCache.allocate(shape, 8, 16, "cpu", torch.bfloat16)
+                eager_cache.k.normal_(generator=gen)  # stale entries must stay unseen
+                eager_cache.v.normal_(generator=gen)
+                fused_cache = KVCache(eager_cache.k.clone(), eager_cache.v.clone())
+                if slots is None:
+                    predictor = (eager_cache, fused_cache)
+            else:
+                eager_cache, fused_cache = predictor
+            lengths = (positions[:, 0] + 1).to(torch.int32) if t == 1 and slots is not None else None
+            expected = stack.run_layers(x, positions, eager_cache, slots, kv_len, lengths)
+            cos, sin = rope_cos_sin(fused.inv_freq, positions, torch.bfloat16)
+            step = FusedStep.of(x, cos, sin, positions, slots, kv_len, lengths)
+            assert (step.decode_rows is not None) == (t == 1), f"{case}: decode kernel use"
+            got = fused._run_fused(x, step, fused_cache)
+            worst = max(worst, close(got, expected, 0.08, 0.05, case))
+            close(fused_cache.k, eager_cache.k, 0.05, 0.02, f"{case}: keys in the cache")
+            # the first layer's values come from the same input (exact); later layers' from outputs
+            # that differ by bf16 rounding
+            assert torch.equal(fused_cache.v[0], eager_cache.v[0]), f"{case}: first layer's values in the cache"
+            close(fused_cache.v, eager_cache.v, 0.05, 0.02, f"{case}: values in the cache")
+    return f"4 cases, output largest difference {worst:.3g} (bf16)"
+
+
 def run(name: str) -> dict[str, Any]:
     entry = CHECKS[name]
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""`cadence serve` engine flags: `--scheduler FIELD=JSON` (flags and the environment, checked at start-up) and the first-chunk lane."""
+"""`cadence serve` engine flags: `--scheduler FIELD=JSON` (flags and the environment, checked at start-up), the first-chunk lane and the fused layers."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def test_the_first_chunk_lane_is_on_unless_a_flag_or_the_environment_turns_it_of
     assert _serve_parser().parse_args(["--no-first-chunk-lane"]).first_chunk_lane is False
     monkeypatch.setenv("CADENCE_FIRST_CHUNK_LANE", "0")
     assert _serve_parser().parse_args([]).first_chunk_lane is False
+
+
+def test_the_fused_layers_are_on_unless_a_flag_or_the_environment_turns_them_off(monkeypatch):
+    monkeypatch.delenv("CADENCE_FUSED_LAYERS", raising=False)
+    assert _serve_parser().parse_args([]).fused_layers is True
+    assert _serve_parser().parse_args(["--no-fused-layers"]).fused_layers is False
+    monkeypatch.setenv("CADENCE_FUSED_LAYERS", "0")
+    assert _serve_parser().parse_args([]).fused_layers is False
