@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.cuda_graphs import GraphBank  # noqa: E402
 from scripts.gpu_engine_bench import build, time_replay  # noqa: E402
 
 
@@ -35,7 +36,8 @@ def kernels_per_replay(runner: object, key: tuple) -> int:
 def measure(runner: object, batches: list[int], iters: int, position: int, count_kernels: bool) -> dict[int, dict]:
     out: dict[int, dict] = {}
     k = runner.kv_buckets[-1]  # type: ignore[attr-defined]
-    for b in batches:
+    runner.graphs = GraphBank(runner.device)  # type: ignore[attr-defined]
+    for b in sorted(batches, reverse=True):  # largest first: the smaller graphs reuse its memory pool
         keys = {"decode": ("decode", b, k), "sample": ("sample", b, True)}
         runner.graphs.capture(keys["decode"], runner._decode_fn(b, k))  # type: ignore[attr-defined]
         runner.graphs.capture(keys["sample"], runner._sample_fn(b, True))  # type: ignore[attr-defined]
@@ -45,8 +47,6 @@ def measure(runner: object, batches: list[int], iters: int, position: int, count
             if count_kernels:
                 row[f"{name}_kernels"] = kernels_per_replay(runner, key)
         out[b] = row
-        runner.graphs.graphs.clear()  # type: ignore[attr-defined]
-        torch.cuda.empty_cache()
         print(b, row, flush=True)
     return out
 

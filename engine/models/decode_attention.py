@@ -77,6 +77,7 @@ def decode_attention(
     hkv = k_cache.shape[1]
     group = hq // hkv
     q = q.contiguous()
+    assert slots.is_contiguous() and slots.numel() == b, "the kernel reads slot n at offset n"
     out = torch.empty_like(q)
     one_length = isinstance(lengths, int)
     if isinstance(lengths, Tensor) and lengths.dtype != torch.int32:

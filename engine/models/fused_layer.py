@@ -106,8 +106,7 @@ if triton is not None:
 def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x [..., D] (+ delta, same shape) -> (x + delta, rms_norm(x + delta)); delta None: (x, norm(x))."""
     dim = x.shape[-1]
-    flat = x.reshape(-1, dim)
-    assert flat.is_contiguous(), "the residual stream is contiguous"
+    flat = x.reshape(-1, dim).contiguous()
     h = torch.empty_like(flat) if delta is not None else flat
     out = torch.empty_like(flat)
     d = delta.reshape(-1, dim).contiguous() if delta is not None else flat
@@ -129,6 +128,9 @@ def qkv_post(
     hq, hkv = q.shape[1] // d, k.shape[1] // d
     assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.dtype == q.dtype
+    # the kernel reads entry n of these at offset n (an expanded view would send it past the end)
+    assert token_slots.is_contiguous() and token_positions.is_contiguous() and token_slots.numel() == n
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (n, d)
     q_out = torch.empty(n, hq, d, device=q.device, dtype=q.dtype)
     _qkv_post_kernel[(n, hq + hkv)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), q_weight, k_weight, cos, sin, q_out,

@@ -311,9 +311,10 @@ class FusedStep:
            lengths: Tensor | None) -> FusedStep:
         b, t, _ = x.shape
         own = torch.arange(b, device=x.device) if slots is None else None
-        token_slots = (slots if slots is not None else own)[:, None].expand(b, t).reshape(-1)  # type: ignore[index]
-        step = cls(b, t, cos.reshape(b * t, -1), sin.reshape(b * t, -1), token_slots, positions.reshape(-1),
-                   slots, positions, kv_len)
+        # contiguous copies: a reshape of an expanded tensor can be a view with stride 0
+        token_slots = (slots if slots is not None else own)[:, None].expand(b, t).reshape(-1).contiguous()  # type: ignore[index]
+        step = cls(b, t, cos.reshape(b * t, -1), sin.reshape(b * t, -1), token_slots,
+                   positions.reshape(-1).contiguous(), slots, positions, kv_len)
         if t == 1 and decode_attention.available(x.device):
             if slots is None:  # the code predictor's frame loop: every row sees kv_len positions
                 step.decode_rows, step.decode_lengths = own, kv_len

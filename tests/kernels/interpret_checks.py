@@ -599,6 +599,8 @@ def fused_decoder_stack() -> str:
     worst = 0.0
     cases = (("talker decode", 5, 1, torch.tensor([3, 0, 6, 2, 5]), torch.tensor([[4], [9], [1], [7], [12]]), 13),
              ("talker prompt chunk", 2, 3, torch.tensor([1, 4]), torch.tensor([[0, 1, 2], [5, 6, 7]]), 8),
+             # one row: its slot expanded over the tokens flattens to a stride-0 view (read past its end)
+             ("one-row prompt chunk", 1, 3, torch.tensor([2]), torch.tensor([[3, 4, 5]]), 8),
              ("predictor first step", 3, 2, None, torch.arange(2).expand(3, 2), 2),
              ("predictor later step", 3, 1, None, torch.full((3, 1), 2), 3))
     with _decode_kernel_on_cpu(), torch.no_grad():
@@ -626,7 +628,7 @@ def fused_decoder_stack() -> str:
             # that differ by bf16 rounding
             assert torch.equal(fused_cache.v[0], eager_cache.v[0]), f"{case}: first layer's values in the cache"
             close(fused_cache.v, eager_cache.v, 0.05, 0.02, f"{case}: values in the cache")
-    return f"4 cases, output largest difference {worst:.3g} (bf16)"
+    return f"5 cases, output largest difference {worst:.3g} (bf16)"
 
 
 def run(name: str) -> dict[str, Any]:
