@@ -342,7 +342,12 @@ def _decode_attention_cases(dtype: torch.dtype, tol: float) -> str:
         assert got.dtype == dtype and got.shape == q.shape
         expected = _sdpa_reference(q, k_cache, v_cache, slots, lengths)
         worst = max(worst, close(got, expected, tol, tol, f"heads {heads}/{kv_heads}, dim {dim}, {dtype}"))
-    return f"GQA 4/2, 6/2, 2/2 heads, lengths {lengths.tolist()}: max |diff| {worst:.3g} (tol {tol})"
+        # one length for every row (the code predictor's loop passes a Python int)
+        got = decode_attention.decode_attention(q, k_cache, v_cache, slots, 17, dim**-0.5)
+        expected = _sdpa_reference(q, k_cache, v_cache, slots, torch.full_like(lengths, 17))
+        worst = max(worst, close(got, expected, tol, tol, f"one length 17, heads {heads}/{kv_heads}, {dtype}"))
+    return (f"GQA 4/2, 6/2, 2/2 heads, lengths {lengths.tolist()} and one int length 17: "
+            f"max |diff| {worst:.3g} (tol {tol})")
 
 
 @check
