@@ -4,22 +4,35 @@ The real Scheduler (torch-free) plans every step. A cost model turns each plan i
 way the runner executes it on one CUDA stream: the talker decode graph (decode rows and one-position
 prompt chunks), longer prompt chunks, sampling + the code predictor, and Code2Wav launches, one per
 (frames, 64-row slice) group padded to its batch bucket, first chunks collected in the step, later
-ones a step after (the deferring runner). The clock moves by that GPU time plus `--host-ms` of host
-work the GPU does not overlap. Closed-loop streams take the corpus's forced lengths; each listener is
+ones a step after (the deferring runner). The clock moves by that GPU time plus the host work the
+GPU does not overlap (`--host-ms`, and `--host-us-per-row` for each sampling row past
+`--host-rows-overlapped`). Closed-loop streams take the corpus's forced lengths; each listener is
 the load test's PlaybackClock (150 ms buffer), so TTFA, RTF and underruns mean what `cadence bench`
-reports, at the engine's edge (no gateway, no network).
+reports, at the engine's edge (no gateway, no network). Step figures are means over the measured
+window (after `--warmup`).
 
-The cost model (`--costs`, JSON) defaults to the H200 figures of deploy/bench: talker and
-sampling per row fitted to the sixth session's end-to-end stage figures (C=256-512), Code2Wav per
-(rows, frames) from every graph shape the engine replays (`h200-codec-shapes.json`, written by
-`scripts/gpu_session.sh 6`), interpolated. Calibration: with the scheduler of that sweep,
-`--codec-scale 1.06 --host-ms 5` (the defaults) give its 57 ms step, 30 ms of Code2Wav and RTF p50
-0.76 at C=512 (measured 0.78). Underruns come out far lower than measured (no gateway, network or
-GPU jitter here), so compare them between policies, not with a GPU run. With a delivery delay of
-`--delivery-base-ms 20 --delivery-jitter-ms 30` (exponential) it reproduces that sweep's
-streams with an underrun (2.4 / 6.9 / 22 % at C=256 / 384 / 512; measured 3.5 / 6.4 / 19 %, most
-of them in the first second of audio in both). `--gateway-us-per-packet` models the gateway
-sending a step's audio one stream after another instead.
+The cost model defaults to the H200 figures of deploy/bench (`--preset`, or `--costs` JSON with
+Costs' fields): Code2Wav per (rows, frames) from every graph shape the engine replays
+(`h200-codec-shapes.json`, written by `scripts/gpu_session.sh 6`), interpolated, times
+`--codec-scale 1.06`; talker decode and sampling per row, and the host term, per preset:
+
+- `h200-fused-layers` (default): decode and sampling fitted to the stage figures of the sweep with
+  fused decoder layers (`h200-e2e-1.7b-fused-layers.json`, C=256-512: decode 3.3-6.3 ms, sampling
+  6.7-9.6 ms for 247-501 rows), the host term to its step: the simulated step 31 / 46 / 62 ms at
+  C=256 / 384 / 512 (measured 30 / 47 / 61), RTF p50 0.40 / 0.58 / 0.78 (0.41 / 0.59 / 0.72). The
+  simulated Code2Wav is 15-35 % above that run's replay time and the host term (0 / 5 / 10 ms)
+  below its GPU gaps (4 / 15 / 21 ms); the step, which sets TTFA and the listeners' lead, is what
+  matches.
+- `h200-eager-layers`: the sixth session's sweep (unfused layers), host 5 ms a step. With that
+  sweep's scheduler (`--set max_now_frame_rows=0`) it gives RTF p50 0.79 and a 63 ms step at C=512
+  (measured 0.78) and, with the delivery delay below, its streams with an underrun (2.4 / 6.9 / 22 %
+  at C=256 / 384 / 512; measured 3.5 / 6.4 / 19 %, most of them in the first second of audio).
+
+Underruns come out far lower than measured without a delivery delay (no gateway, network or GPU
+jitter here), so compare them between policies, not with a GPU run; `--delivery-base-ms 20
+--delivery-jitter-ms 30` (exponential, per delivery) is the delay fitted to the sixth session's
+underruns. `--gateway-us-per-packet` models the gateway sending a step's audio one stream after
+another instead. `--seed` varies arrivals, lengths and jitter.
 
     .venv/bin/python -m scripts.sim_engine --streams 256,384,512 --seconds 30
 """
@@ -56,12 +69,17 @@ CODEC_SHAPES = ROOT / "deploy/bench/h200-codec-shapes.json"  # H200, bf16: Code2
 
 @dataclass
 class Costs:
-    """GPU milliseconds of each part of a step."""
+    """GPU milliseconds of each part of a step, and the host time the GPU waits for."""
 
-    decode: tuple[float, float] = (1.0, 0.0125)  # ms = a + b * rows (talker decode graph)
-    sample: tuple[float, float] = (6.7, 0.0167)  # sampling + the 15-step code predictor
+    decode: tuple[float, float] = (0.43, 0.01155)  # ms = a + b * rows (talker decode graph)
+    sample: tuple[float, float] = (4.06, 0.01129)  # sampling + the 15-step code predictor
     prefill_per_chunk: float = 1.0  # a longer prompt chunk's share of its graph
     codec: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> frames -> ms
+    # host work per step the GPU does not overlap: host_ms, plus host_us_per_row for each sampling
+    # row past host_rows_overlapped (below that many rows the host keeps up with the GPU)
+    host_ms: float = 0.0
+    host_us_per_row: float = 40.0
+    host_rows_overlapped: int = 260
 
     def codec_ms(self, rows: int, frames: int) -> float:
         table = self.codec
@@ -70,6 +88,17 @@ class Costs:
         hi = min([r for r in row_keys if r >= rows], default=row_keys[-1])
         a, b = _by_frames(table[lo], frames), _by_frames(table[hi], frames)
         return a if hi == lo else a + (b - a) * (rows - lo) / (hi - lo)
+
+    def host_step_ms(self, rows: int) -> float:
+        return self.host_ms + self.host_us_per_row / 1000 * max(0, rows - self.host_rows_overlapped)
+
+
+# talker and sampling costs and the host term of each calibration (see the module's docstring)
+PRESETS: dict[str, dict[str, Any]] = {
+    "h200-fused-layers": {},  # the defaults
+    "h200-eager-layers": {"decode": (1.0, 0.0125), "sample": (6.7, 0.0167),
+                          "host_ms": 5.0, "host_us_per_row": 0.0, "host_rows_overlapped": 0},
+}
 
 
 def _by_frames(row: dict[int, float], frames: int) -> float:
@@ -81,17 +110,18 @@ def _by_frames(row: dict[int, float], frames: int) -> float:
     return row[lo] if hi == lo else row[lo] + (row[hi] - row[lo]) * (frames - lo) / (hi - lo)
 
 
-def load_costs(path: Path | None, codec_shapes: Path | None = None) -> Costs:
-    """The default costs, or a JSON cost model; `codec_shapes` (scripts/gpu_codec_bench.py --json)
-    replaces the Code2Wav table."""
+def load_costs(path: Path | None, codec_shapes: Path | None = None, preset: str = "h200-fused-layers") -> Costs:
+    """A preset's costs, or a JSON cost model (Costs' fields; the host ones optional);
+    `codec_shapes` (scripts/gpu_codec_bench.py --json) replaces the Code2Wav table."""
     if path is not None:
         data = json.loads(path.read_text())
+        host = {k: data[k] for k in ("host_ms", "host_us_per_row", "host_rows_overlapped") if k in data}
         return Costs(tuple(data["decode"]), tuple(data["sample"]), data["prefill_per_chunk"],
-                     {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()})
+                     {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()}, **host)
     table: dict[int, dict[int, float]] = defaultdict(dict)
     for row in json.loads((codec_shapes or CODEC_SHAPES).read_text()):
         table[int(row["batch"])][int(row["frames"])] = float(row["graph_ms"])
-    return Costs(codec=dict(table))
+    return Costs(codec=dict(table), **PRESETS[preset])
 
 
 def codec_launches(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -124,7 +154,7 @@ class Simulation:
         except ValueError as e:
             raise SystemExit(f"--set: {e}") from e
         self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
-        self.rng = random.Random(0)
+        self.rng = random.Random(args.seed)
         rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]
         self.lengths = [int(r["frames"]) for r in rows if r.get("frames")]
         self.players: dict[str, tuple[PlaybackClock, float, int]] = {}  # id -> (player, opened, frames)
@@ -134,6 +164,9 @@ class Simulation:
         self.done: list[dict[str, float]] = []
         self.launches = self.steps = 0
         self.gpu_ms: dict[str, float] = defaultdict(float)
+        self.host_ms = 0.0
+        self.rows = 0  # sampling rows over the measured window
+        self.step_ms = 0.0
         self.ids = 0
         # the first streams come over `ramp_s` (as the load test connects them), then each that
         # ends is replaced at once (closed loop)
@@ -166,13 +199,19 @@ class Simulation:
         now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk or c.urgent]
         now_chunks += [(1, 0)] * len(plan.first_audio_now)
         later_chunks = [(c.num_frames, 0) for c in plan.codec if not (c.first_chunk or c.urgent)]
-        launches = codec_launches(now_chunks) + codec_launches(later_chunks)
-        ms["codec"] = self.args.codec_scale * sum(self.costs.codec_ms(b, f) for b, f in launches)
-        self.launches += len(launches)
-        for k, v in ms.items():
-            self.gpu_ms[k] += v
-        self.now += (sum(ms.values()) + self.args.host_ms) / 1000
-        self.steps += 1
+        now_launches, later_launches = codec_launches(now_chunks), codec_launches(later_chunks)
+        ms["codec_now"], ms["codec_later"] = self._codec_ms(now_launches), self._codec_ms(later_launches)
+        host_ms = self.costs.host_step_ms(sampled)
+        step_ms = sum(ms.values()) + host_ms
+        if self.now >= self.args.warmup:  # the step's figures: over the measured window only
+            self.launches += len(now_launches) + len(later_launches)
+            for k, v in ms.items():
+                self.gpu_ms[k] += v
+            self.host_ms += host_ms
+            self.steps += 1
+            self.rows += sampled
+            self.step_ms += step_ms
+        self.now += step_ms / 1000
         # this step's first chunks arrive now; the previous step's later chunks too
         delivered = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk or c.urgent]
         delivered += [(f.request_id, 1) for f in plan.first_audio_now]
@@ -190,6 +229,9 @@ class Simulation:
                 self.deliver(out.request_id, len(out.audio))
             if out.finished:
                 self.finish(out.request_id)
+
+    def _codec_ms(self, launches: list[tuple[int, int]]) -> float:
+        return self.args.codec_scale * sum(self.costs.codec_ms(rows, frames) for rows, frames in launches)
 
     def deliver(self, rid: str, samples: int) -> None:
         """Audio reaches the listener after the gateway's and the network's delay, in order."""
@@ -219,13 +261,16 @@ class Simulation:
             "streams": len(self.players), "requests": len(d),
             "ttfa_p50_ms": round(1000 * _pct([x["ttfa"] for x in d], 50), 1),
             "ttfa_p90_ms": round(1000 * _pct([x["ttfa"] for x in d], 90), 1),
+            "ttfa_p99_ms": round(1000 * _pct([x["ttfa"] for x in d], 99), 1),
             "rtf_p50": round(_pct([x["rtf"] for x in d], 50), 3), "rtf_p90": round(_pct([x["rtf"] for x in d], 90), 3),
             "underrun_streams_pct": round(100 * statistics.fmean(x["underrun"] for x in d), 1) if d else None,
             "underrun_in_first_s_pct": round(100 * statistics.fmean(x["early"] for x in d), 1) if d else None,
             "audio_s_per_s": round(sum(x["audio_s"] for x in d) / window, 1),
-            "step_ms": round(1000 * self.now / self.steps, 2),
-            "codec_launches_per_step": round(self.launches / self.steps, 2),
-            **{f"gpu_ms_{k}": round(v / self.steps, 2) for k, v in self.gpu_ms.items()},
+            "step_ms": round(self.step_ms / max(1, self.steps), 2),
+            "rows_per_step": round(self.rows / max(1, self.steps), 1),
+            "codec_launches_per_step": round(self.launches / max(1, self.steps), 2),
+            **{f"gpu_ms_{k}": round(v / max(1, self.steps), 2) for k, v in self.gpu_ms.items()},
+            "host_ms": round(self.host_ms / max(1, self.steps), 2),
         }
 
 
@@ -246,7 +291,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds measured per level")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--ramp-s", type=float, default=2.0, help="the first streams arrive over this")
-    ap.add_argument("--host-ms", type=float, default=5.0, help="host work per step the GPU does not overlap")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h200-fused-layers",
+                    help="talker, sampling and host costs of a calibration (see above)")
+    ap.add_argument("--host-ms", type=float, default=None, help="host work per step the GPU does not overlap")
+    ap.add_argument("--host-us-per-row", type=float, default=None,
+                    help="host work per sampling row past --host-rows-overlapped the GPU does not overlap")
+    ap.add_argument("--host-rows-overlapped", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="arrivals, lengths and delivery jitter")
     ap.add_argument("--codec-scale", type=float, default=1.06,
                     help="Code2Wav time in the engine over the isolated bench's (calibrated, see above)")
     ap.add_argument("--prompt", type=int, default=1, help="prompt positions left after the prefix cache")
@@ -263,7 +314,10 @@ def main() -> None:
     ap.add_argument("--costs", type=Path, default=None, help="a cost model as JSON (see Costs)")
     ap.add_argument("--codec-shapes", type=Path, default=None, help="scripts/gpu_codec_bench.py --json output")
     args = ap.parse_args()
-    costs = load_costs(args.costs, args.codec_shapes)
+    costs = load_costs(args.costs, args.codec_shapes, args.preset)
+    for name in ("host_ms", "host_us_per_row", "host_rows_overlapped"):
+        if getattr(args, name) is not None:
+            setattr(costs, name, getattr(args, name))
     for n in args.streams.split(","):
         print(json.dumps(Simulation(args, int(n), costs).run()))
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from scripts.sim_engine import Costs, Simulation, codec_launches, load_costs
+from scripts.sim_engine import PRESETS, Costs, Simulation, codec_launches, load_costs
 
 
-def args(merge_below: int | None) -> argparse.Namespace:
-    return argparse.Namespace(seconds=4.0, warmup=1.0, host_ms=5.0, prompt=1, buffer_ms=150.0,
+def args(merge_below: int | None, seed: int = 0) -> argparse.Namespace:
+    return argparse.Namespace(seconds=4.0, warmup=1.0, prompt=1, buffer_ms=150.0, seed=seed,
                               merge_below=merge_below, codec_scale=1.06, ramp_s=0.5, smooth=None,
                               delivery_base_ms=0.0, delivery_jitter_ms=0.0, gateway_us_per_packet=0.0, set=None)
 
@@ -36,6 +36,7 @@ def test_a_short_run_reports_the_benchmarks_figures_and_merging_saves_launches()
         assert r["streams"] == 256 and r["requests"] > 100
         assert 0 < r["rtf_p50"] <= r["rtf_p90"] < 2 and 0 <= r["underrun_streams_pct"] <= 100
         assert r["step_ms"] > r["gpu_ms_sample"] + r["gpu_ms_decode"]
+        assert 200 < r["rows_per_step"] <= 256  # measured after the warm-up: nearly every stream samples
     assert merged["codec_launches_per_step"] < apart["codec_launches_per_step"]
 
 
@@ -50,3 +51,32 @@ def test_scheduler_fields_are_set_from_the_command_line() -> None:
     a.set = ["no_such_field=1"]
     with pytest.raises(SystemExit, match="no_such_field"):
         Simulation(a, 8, costs)
+
+
+def test_presets_keep_the_older_calibration_and_the_host_term_grows_past_the_overlapped_rows() -> None:
+    fused, eager = load_costs(None, None), load_costs(None, None, "h200-eager-layers")
+    assert set(PRESETS) == {"h200-fused-layers", "h200-eager-layers"}
+    assert eager.decode == (1.0, 0.0125) and eager.sample == (6.7, 0.0167)
+    assert eager.host_step_ms(1) == eager.host_step_ms(512) == 5.0
+    assert fused.decode[1] < eager.decode[1] and fused.sample[0] < eager.sample[0]
+    assert fused.codec == eager.codec
+    at = fused.host_rows_overlapped
+    assert fused.host_step_ms(at) == fused.host_ms
+    assert fused.host_step_ms(at + 100) == fused.host_ms + 0.1 * fused.host_us_per_row
+
+
+def test_a_costs_file_may_carry_the_host_term(tmp_path) -> None:
+    import json
+
+    table = {"1": {"1": 2.0}, "64": {"1": 5.0}}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"decode": [1, 0.01], "sample": [4, 0.01], "prefill_per_chunk": 1.0,
+                                "codec": table, "host_ms": 3.0, "host_us_per_row": 0.0}))
+    costs = load_costs(path)
+    assert costs.codec_ms(1, 1) == 2.0 and costs.host_step_ms(500) == 3.0
+
+
+def test_the_seed_changes_the_run() -> None:
+    costs = load_costs(None, None)
+    a, b = Simulation(args(None, 0), 64, costs).run(), Simulation(args(None, 1), 64, costs).run()
+    assert a != b
