@@ -7,7 +7,9 @@ loop once, not a hundred times (each wake-up is a write to the loop's self-pipe)
 chunk is delivered ahead of the other streams' later ones: it is what a listener is waiting for.
 
 A consumer that forwards chunks (the engine worker process) can `listen()` instead of iterating:
-the channel then calls it on the loop as items arrive, with no task per stream.
+the channel then calls it on the loop as items arrive, with no task per stream. Such a consumer
+can also take the items on the engine thread itself (`deliver_on_producer_thread`): no loop
+wake-up, and no second thread contending for the GIL with the engine's step thread.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from engine.api import AudioChunk, EngineError
@@ -37,6 +39,7 @@ class ChunkListener(Protocol):
 
 
 _Item = TypeVar("_Item")
+_T = TypeVar("_T")
 
 
 def _hand_queued(listener: ChunkListener, items: deque[_Item]) -> bool:
@@ -72,6 +75,14 @@ def listen(iterator: object, listener: ChunkListener) -> bool:
     return False
 
 
+def deliver_on_producer_thread(loop: asyncio.AbstractEventLoop, after_batch: Callable[[], None]) -> None:
+    """From now on, items posted to `loop`'s channels that have a listener reach it on the posting
+    thread, as they are posted (a batch's first chunks first), and `after_batch` runs after each
+    post; such listeners must be thread-safe. Iterated channels are still fed on the loop. Call it
+    on the loop."""
+    _Mailbox.of(loop).after_batch = after_batch
+
+
 class _Mailbox:
     """Items posted to a loop's channels from other threads, delivered in order, in batches."""
 
@@ -91,22 +102,50 @@ class _Mailbox:
         self._lock = threading.Lock()
         self._items: list[tuple[ChunkChannel, object]] = []
         self._wake_pending = False
+        self.after_batch: Callable[[], None] | None = None  # set: items go out on the posting thread
 
     def post(self, channel: ChunkChannel, item: object) -> None:
-        with self._lock:
-            self._items.append((channel, item))
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-        self._wake()
+        self.post_many([(channel, item)])
 
     def post_many(self, items: list[tuple[ChunkChannel, object]]) -> None:
+        after_batch = self.after_batch
+        if after_batch is not None:
+            self._deliver_to_listeners(items, after_batch)
+            return
         with self._lock:
             self._items += items
             if self._wake_pending:
                 return
             self._wake_pending = True
         self._wake()
+
+    def _deliver_to_listeners(self, items: list[tuple[ChunkChannel, object]], after_batch: Callable[[], None]) -> None:
+        """Listened channels' items here and now, the others' through the loop."""
+        with self._lock:  # producers one at a time, and never while the loop listens or closes
+            if all(channel._listener is not None for channel, _ in items):
+                here, wake = items, False
+            else:
+                here = [pair for pair in items if pair[0]._listener is not None]
+                self._items += [pair for pair in items if pair[0]._listener is None]
+                wake, self._wake_pending = not self._wake_pending, True
+            _push_all(here)
+        if wake:
+            self._wake()
+        after_batch()
+
+    def take(self, channel: ChunkChannel) -> list[object]:
+        """The items posted to `channel` and not yet delivered, taken out (call under the lock)."""
+        taken = [item for c, item in self._items if c is channel]
+        if taken:
+            self._items = [pair for pair in self._items if pair[0] is not channel]
+        return taken
+
+    def on_loop(self, action: Callable[[], _T]) -> _T:
+        """Run a consumer-side action of a channel: under the lock when producers deliver."""
+        if self.after_batch is None:
+            return action()
+        with self._lock:
+            return action()
 
     def _wake(self) -> None:
         try:
@@ -119,11 +158,16 @@ class _Mailbox:
         with self._lock:
             items, self._items = self._items, []
             self._wake_pending = False
-        fresh = [pair for pair in items if not pair[0]._started]
-        if fresh and len(fresh) < len(items):  # first chunks first (each with what follows it)
-            items = fresh + [pair for pair in items if pair[0]._started]
-        for channel, item in items:
-            channel._push(item)
+        _push_all(items)
+
+
+def _push_all(items: list[tuple[ChunkChannel, object]]) -> None:
+    """Hand items to their channels in order, first chunks first (each with what follows it)."""
+    fresh = [pair for pair in items if not pair[0]._started]
+    if fresh and len(fresh) < len(items):
+        items = fresh + [pair for pair in items if pair[0]._started]
+    for channel, item in items:
+        channel._push(item)
 
 
 class ChunkBatch:
@@ -192,6 +236,9 @@ class ChunkChannel:
 
     def close(self) -> None:
         """Consumer gives up: drop what is queued and end iteration."""
+        self._mailbox.on_loop(self._close)
+
+    def _close(self) -> None:
         if self._listener is not None:
             if not self._closed:
                 self._listener.end()
@@ -205,6 +252,13 @@ class ChunkChannel:
 
     def listen(self, listener: ChunkListener) -> None:
         """Hand items to `listener` from now on (what is queued first), instead of iterating."""
+        self._mailbox.on_loop(lambda: self._listen(listener))
+
+    def _listen(self, listener: ChunkListener) -> None:
+        if self._mailbox.after_batch is not None:  # later items skip the mailbox: its ones go first
+            taken = self._mailbox.take(self)
+            self._started = self._started or bool(taken)
+            self._items += taken
         self._listener = listener
         if _hand_queued(listener, self._items):
             self._closed = True

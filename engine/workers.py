@@ -13,6 +13,12 @@ Audio crosses the pipe out of band: a "batch" message carries its chunks' fields
 included), and their samples follow it raw, in order, written straight from the arrays and read
 straight into each chunk's own array; sample arrays are never pickled. Each stream's first chunk
 leaves in a batch of its own, ahead of the other messages of its loop pass.
+
+In the worker, a step's chunks go from the engine thread that hands them out (on it, through
+engine.bridge.deliver_on_producer_thread) to a writer thread of their own, not through the event
+loop: waking the loop writes to its self-pipe, a system call that handed the GIL to the loop, which
+then held it while the step thread waited. The writer is woken without giving the GIL up; it takes
+it when the step thread next waits (for the GPU) and writes the batch meanwhile.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from engine.api import (
     TextSegment,
     UnknownVoice,
 )
-from engine.bridge import LoopChunkChannel, listen
+from engine.bridge import LoopChunkChannel, deliver_on_producer_thread, listen
 
 log = logging.getLogger("cadence.workers")
 
@@ -178,9 +184,14 @@ class _WorkerLoop:
         self.outbox: list[tuple[object, ...]] = []  # messages of this loop pass, sent as one batch
         self.firsts: list[tuple[object, ...]] = []  # this pass's first chunks, sent ahead of the outbox
         self.flush_pending = False
+        self.outbox_lock = threading.Lock()  # messages come from the loop and from the engine's threads
+        self.send_lock = threading.Lock()  # one writer at a time: a batch's message and its audio together
+        self.loop_thread = threading.get_ident()
+        self.engine_batches = threading.Event()  # an engine thread posted a batch for the writer
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        deliver_on_producer_thread(loop, self._flush_posted_batch)
         self.engine = self.spec.factory()
         await self.engine.start()
         # what start-up made (modules, weights, graphs) moves where the cyclic collector never looks
@@ -190,6 +201,7 @@ class _WorkerLoop:
         gc.freeze()
         self.send("ready", self.engine.info)
         threading.Thread(target=self._read, args=(loop,), daemon=True).start()
+        threading.Thread(target=self._write_engine_batches, daemon=True, name="cadence-write").start()
         reporter = asyncio.create_task(self._report_load())
         await self.stopped.wait()
         reporter.cancel()
@@ -199,29 +211,54 @@ class _WorkerLoop:
             self.send("stopped")
 
     def post(self, *message: object, first: bool = False) -> None:
-        """Send with the other messages of this loop pass: a step's chunks for many streams cross
-        the pipe as one batch, in the order they were posted; `first` chunks in a batch before it."""
-        if not self.flush_pending:
+        """Send with the other messages of this loop pass or engine step (any thread): a step's
+        chunks for many streams cross the pipe as one batch, in the order they were posted; `first`
+        chunks in a batch before it. An engine thread's posts go when its step's batch is handed
+        out (`_flush_posted_batch`), the loop's at the end of its pass."""
+        with self.outbox_lock:
+            (self.firsts if first else self.outbox).append(message)
+        if not self.flush_pending and threading.get_ident() == self.loop_thread:
             self.flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        (self.firsts if first else self.outbox).append(message)
+            asyncio.get_running_loop().call_soon(self._flush_pass)
+
+    def _flush_posted_batch(self) -> None:
+        """An engine thread handed out a batch of chunks (a step's): the writer sends it."""
+        if threading.get_ident() != self.loop_thread:  # the loop's posts go at the end of its pass
+            self.engine_batches.set()
+
+    def _write_engine_batches(self) -> None:
+        while True:
+            self.engine_batches.wait()
+            self.engine_batches.clear()
+            self._flush()
+
+    def _flush_pass(self) -> None:
+        self.flush_pending = False
+        self._flush()
 
     def _flush(self) -> None:
-        self.flush_pending = False
-        for batch in (self.firsts, self.outbox):
-            if batch:
-                self._send_batch(batch)
-        self.firsts, self.outbox = [], []
+        """Send what was posted, in order (whichever thread calls: the sends hold the send lock)."""
+        with self.send_lock:
+            with self.outbox_lock:
+                batches = (self.firsts, self.outbox)
+                self.firsts, self.outbox = [], []
+            for batch in batches:
+                if batch:
+                    self._send_batch(batch)
 
     def _send_batch(self, batch: list[tuple[object, ...]]) -> None:
         wire, audio = to_wire(batch)
-        self.send("batch", wire)
+        self._send(("batch", wire))
         try:
             write_all(self.conn.fileno(), audio)
         except (OSError, ValueError):
             os._exit(0)
 
     def send(self, *message: object) -> None:
+        with self.send_lock:
+            self._send(message)
+
+    def _send(self, message: tuple[object, ...]) -> None:
         try:
             self.conn.send(message)
         except (OSError, ValueError):  # the parent went away: nothing left to serve

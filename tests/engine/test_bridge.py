@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.api import AudioChunk, EngineError
-from engine.bridge import ChunkBatch, ChunkChannel, LoopChunkChannel, listen
+from engine.bridge import ChunkBatch, ChunkChannel, LoopChunkChannel, deliver_on_producer_thread, listen
 
 
 def chunk(rid: str, offset: int) -> AudioChunk:
@@ -199,3 +199,30 @@ async def test_listen_declines_an_iterator_that_is_not_a_channel() -> None:
         yield chunk("a", 0)
 
     assert not listen(chunks(), Recorder([], "a"))
+
+
+async def test_listeners_can_take_items_on_the_posting_thread_after_what_waited_in_the_mailbox() -> None:
+    log: list[tuple[str, object]] = []
+    batches: list[int] = []
+    deliver_on_producer_thread(asyncio.get_running_loop(), lambda: batches.append(threading.get_ident()))
+    early, late, iterated = ChunkChannel(), ChunkChannel(), ChunkChannel()
+    on_thread(lambda: early.put(chunk("e", 0)))  # no listener yet: it waits for the loop
+    listen(early.__aiter__(), Recorder(log, "e"))
+    listen(late.__aiter__(), Recorder(log, "l"))
+    assert log == [("e", 0)]
+    seen: list[list[tuple[str, object]]] = []
+
+    def engine_step() -> None:
+        batch = ChunkBatch()
+        batch.put(early, chunk("e", 4))
+        batch.put(late, chunk("l", 0))
+        batch.finish(early)
+        batch.put(iterated, chunk("i", 0))
+        batch.finish(iterated)
+        batch.post()
+        seen.append(list(log))  # handed out before the loop ran again
+
+    on_thread(engine_step)
+    assert seen == [[("e", 0), ("l", 0), ("e", 4), ("e", "end")]]  # a stream's first chunk first
+    assert len(batches) == 2 and threading.get_ident() not in batches
+    assert [c.sample_offset async for c in iterated] == [0]  # an iterated channel: through the loop
