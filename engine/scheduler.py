@@ -85,7 +85,8 @@ class SchedulerConfig:
     # chunk otherwise comes three steps after its first audio, and long steps early in a stream were
     # where most underruns began. Simulated on the H200's costs (scripts/sim_engine.py, delivery
     # jitter as measured): underruns at 256/384/512 streams 2.4/6.9/22 % -> 0.0/0.0/0.1 %, the step
-    # +0.5 ms; not yet measured on a GPU. 0: off
+    # +0.5 ms. On the H200 (fused layers) streams underrunning at 384 went 12.3 % -> 0 %; TTFA p90 at
+    # 256 rose, which the simulation does not reproduce (deploy/bench/sim-now-frames-ttfa.txt). 0: off
     max_now_frame_rows: int = 64
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
