@@ -125,12 +125,13 @@ def sample(
     the same noise per (row, index) and so the same draws as the full-vocabulary path."""
     scores = logits.float()
     greedy_ids = scores.argmax(dim=-1)
-    scaled = scores / params.temperature[:, None]
     k = min(TOP_K_BOUND, scores.shape[-1])
     if bounded and sampling_kernel.available(scores.device) and k == TOP_K_BOUND:
         values, index = scores.topk(k, dim=-1)  # the kernel applies the temperature itself
         sampled_ids = sampling_kernel.draw(values, index, params.temperature, params.top_k, params.top_p, seed, counter)
-    elif bounded:
+        return torch.where(params.greedy, greedy_ids, sampled_ids)
+    scaled = scores / params.temperature[:, None]
+    if bounded:
         values, index = scaled.topk(k, dim=-1)
         filtered = filter_top_k_top_p(values, params.top_k, params.top_p)
         best = (filtered + gumbel_noise_at(seed, counter, index)).argmax(dim=-1, keepdim=True)

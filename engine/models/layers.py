@@ -249,6 +249,8 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(shape.head_dim, shape.rope_theta), persistent=False)
         self.fused = False  # fuse_layers() was called: CUDA bf16 steps take the fused kernels
+        self.rope_cos: Tensor | None = None  # [max positions, head_dim], built by fuse_layers()
+        self.rope_sin: Tensor | None = None
 
     def fuse_layers(self) -> None:
         """Serve CUDA bf16 steps through engine.models.fused_layer: each layer's q/k/v and gate/up
@@ -259,6 +261,11 @@ class DecoderStack(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight = fused_layer.fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
             mlp.gate_up_weight = fused_layer.fuse_linears(mlp.gate_proj, mlp.up_proj)
+        # the rotation's cos/sin of every position, computed by the same ops as rope_cos_sin (so the
+        # same values): a step gathers its rows (two kernels instead of about seven)
+        dtype = self.norm.weight.dtype
+        every = torch.arange(self.shape.max_position_embeddings, device=self.inv_freq.device)[None]
+        self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(self.inv_freq, every, dtype))
         self.fused = True
 
     def reset_rope(self, device: torch.device | str) -> None:
@@ -270,9 +277,11 @@ class DecoderStack(nn.Module):
         lengths: Tensor | None = None,
     ) -> Tensor:
         """x [B, T, H] input embeddings -> final-normed hidden states [B, T, H] (see Attention)."""
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         if self.fused and fused_layer.available(x):
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
             return self._run_fused(x, FusedStep.of(x, cos, sin, positions, slots, kv_len, lengths), cache)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, kv_len, lengths)
         return self.norm(x)

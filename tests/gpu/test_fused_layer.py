@@ -179,3 +179,12 @@ def test_fp8_projections_stay_separate_products_beside_the_fused_kernels():
         expected = eager.run_layers(x, positions, caches[0], None, 2)
         got = fused.run_layers(x, positions, caches[1], None, 2)
     assert relative_error(got, expected) < 0.02
+
+
+def test_the_rotation_table_holds_what_rope_cos_sin_computes():
+    from engine.models.layers import rope_cos_sin
+
+    _, fused = stack_pair(TALKER, layers=1)
+    positions = torch.arange(fused.shape.max_position_embeddings, device="cuda").flip(0).reshape(8, -1)
+    cos, sin = rope_cos_sin(fused.inv_freq, positions, torch.bfloat16)
+    assert torch.equal(fused.rope_cos[positions], cos) and torch.equal(fused.rope_sin[positions], sin)

@@ -624,6 +624,8 @@ def fused_decoder_stack() -> str:
             lengths = (positions[:, 0] + 1).to(torch.int32) if t == 1 and slots is not None else None
             expected = stack.run_layers(x, positions, eager_cache, slots, kv_len, lengths)
             cos, sin = rope_cos_sin(fused.inv_freq, positions, torch.bfloat16)
+            assert torch.equal(fused.rope_cos[positions], cos) and torch.equal(fused.rope_sin[positions], sin), \
+                f"{case}: the rotation table differs from rope_cos_sin"
             step = FusedStep.of(x, cos, sin, positions, slots, kv_len, lengths)
             assert (step.decode_rows is not None) == (t == 1), f"{case}: decode kernel use"
             got = fused._run_fused(x, step, fused_cache)
