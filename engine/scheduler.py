@@ -39,8 +39,7 @@ from engine.plan import (
 from engine.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # audio seconds per codec frame
-ON_SCHEDULE, EARLY, FLUSH = 0, 1, 2  # why a Code2Wav chunk has its size (Scheduler._codec_frames)
-_WAIT = (0, ON_SCHEDULE)  # no chunk this step (Scheduler._codec_frames)
+ON_SCHEDULE, EARLY, FLUSH = 0, 1, 2  # why a Code2Wav chunk has its size (Scheduler._codec_ready)
 IDLE_GAP_S = 1.0  # a longer wait between two steps is an idle engine, not a step
 # module constants: cheaper than attribute lookups on the enum in the per-row loops (and a tuple,
 # not a set: an enum member's hash is a Python-level call)
@@ -157,6 +156,7 @@ class Scheduler:
         self.ttfa_window_s = 60.0
         self._ttfas: deque[tuple[float, float]] = deque()  # (time of first audio, TTFA) over the window
         self._targets: dict[tuple[ChunkSchedule, int], int] = {}  # (schedule, chunk index) -> frames
+        self._caught_up: list[Request] = []  # requests with no frame pending at this step's Code2Wav plan
         self.leads = DeliveryLeads()
         self.finished = 0  # requests ended, any status
 
@@ -263,7 +263,9 @@ class Scheduler:
             r.frames_launched += c.num_frames
             r.chunks_emitted += 1
         plan.first_audio_now = self._first_audio_now(plan, now)
-        plan.audio_in_flight = any(r.frames_launched != r.frames_decoded for r in self.requests.values())
+        # a chunk in this plan is audio in flight (checked first: it spares the pass at load)
+        plan.audio_in_flight = bool(plan.codec) or any(
+            r.frames_launched != r.frames_decoded for r in self.requests.values())
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
@@ -273,19 +275,21 @@ class Scheduler:
         """One pass over the running set: a decode row for each of its first `limit` decoding
         requests, and its prefilling requests returned (both in running order)."""
         prefilling = []
+        room, add_row = limit - len(decode), decode.append
         for r in self.running:
             seg = r.current
             if seg is None:
                 continue
             status = r.status
             if status == _DECODING:
-                if len(decode) < limit:
+                if room > 0:
+                    room -= 1
                     kv_slot, codec_slot = r.kv_slot, r.codec_slot
                     if kv_slot is None or codec_slot is None:
                         raise RuntimeError("request holds no slot")
                     # positional arguments: half the cost of keywords, once per row and step
-                    decode.append(DecodeRow(r.request_id, kv_slot, codec_slot, seg.prefilled, seg.frames,
-                                            len(r.codes), seg.payload, r.sampling))
+                    add_row(DecodeRow(r.request_id, kv_slot, codec_slot, seg.prefilled, seg.frames,
+                                      len(r.codes), seg.payload, r.sampling))
             elif status == _PREFILLING:
                 prefilling.append(r)
         return prefilling
@@ -302,17 +306,19 @@ class Scheduler:
                 o = outs[r.request_id] = RequestOutput(r.request_id)
             return o
 
-        self._advance_positions(plan)
         rows = plan.sampling_rows
         self._frames_per_step += 0.1 * (len(rows) - self._frames_per_step)
-        if len(output.codes) != len(rows):
-            raise ValueError(f"runner returned {len(output.codes)} frames for {len(rows)} rows")
+        codes = output.codes
+        if len(codes) != len(rows):
+            raise ValueError(f"runner returned {len(codes)} frames for {len(rows)} rows")
+        self._advance_prefill(plan.prefill)
+        self._take_decode_frames(plan.decode, codes, out_for)
         requests = self.requests
-        append_frame = self._append_frame
-        for rid, codes in zip(rows, output.codes, strict=True):
+        decoded = len(plan.decode)  # the prompt chunks' frames follow the decode rows' ones
+        for rid, frame in zip(rows[decoded:], codes[decoded:], strict=True):
             r = requests.get(rid)
             if r is not None and r.status < _FINISHED:
-                append_frame(r, codes, out_for)
+                self._append_frame(r, frame, out_for)
         for f in plan.first_audio_now:  # a frame decoded in its own step (none when it was EOS)
             r = self._live(f.request_id)
             if r is not None and r.frames_generated > f.frame and r.frames_launched == f.frame:
@@ -321,7 +327,7 @@ class Scheduler:
         if delivered is None:  # the runner decoded this plan's chunks in this step
             delivered = [(c.request_id, c.num_frames) for c in plan.codec]
             delivered += [(f.request_id, 1) for f in plan.first_audio_now if f.request_id in output.audio]
-        self._deliver(delivered, output, now, out_for)
+        self._deliver(delivered, output, now, outs)
         for o in outs.values():
             r = requests.get(o.request_id)
             if r is not None:
@@ -331,43 +337,67 @@ class Scheduler:
                 o.status = r.status
         return list(outs.values())
 
-    def _advance_positions(self, plan: StepPlan) -> None:
-        """Count the talker positions the plan's prefill chunks and decode rows wrote."""
+    def _advance_prefill(self, prefill: list[PrefillChunk]) -> None:
+        """Count the talker positions the plan's prompt chunks wrote."""
         requests, set_length = self.requests, self.kv.set_length
-        for chunk in plan.prefill:
+        for chunk in prefill:
             r = requests.get(chunk.request_id)
             if r is not None and r.status < _FINISHED and (seg := r.current) is not None:
                 seg.prefilled += chunk.length
                 set_length(_slot(r.kv_slot), seg.prefilled)
-        for row in plan.decode:
+
+    def _take_decode_frames(
+        self, decode: list[DecodeRow], codes: list[Frame], out_for: Callable[[Request], RequestOutput]
+    ) -> None:
+        """Each live decode row wrote one talker position and sampled one frame (codes[i] for row i):
+        count the position, keep the frame. One pass, the common case of _append_frame inline (a
+        frame that neither ends nor fills its segment)."""
+        requests, set_length, eos = self.requests, self.kv.set_length, self.config.eos_code
+        for row, frame in zip(decode, codes, strict=False):  # then come the prompt chunks' frames
             r = requests.get(row.request_id)
-            if r is not None and r.status < _FINISHED and (seg := r.current) is not None:
-                seg.prefilled += 1
-                set_length(_slot(r.kv_slot), seg.prefilled)
+            if r is None or r.status >= _FINISHED:
+                continue
+            seg = r.current
+            if seg is None:
+                self._append_frame(r, frame, out_for)
+                continue
+            seg.prefilled += 1
+            set_length(_slot(r.kv_slot), seg.prefilled)
+            if frame[0] != eos and seg.frames + 1 < seg.cap:
+                r.codes.append(frame)
+                seg.frames += 1
+                seg.done = False
+                r.status = _DECODING
+            else:
+                self._append_frame(r, frame, out_for)
 
     def _deliver(
-        self, delivered: list[tuple[str, int]], output: StepOutput, now: float,
-        out_for: Callable[[Request], RequestOutput],
+        self, delivered: list[tuple[str, int]], output: StepOutput, now: float, outs: dict[str, RequestOutput],
     ) -> None:
-        """Hand out the decoded chunks: each live request's audio, and its lead on the playback clock."""
-        requests, leads, audio = self.requests, self.leads, output.audio
+        """Hand out the decoded chunks: each live request's audio (into `outs`, by request id), and its
+        lead on the playback clock."""
+        requests, audio = self.requests, output.audio
+        chunk_lead, ttfa = self.leads.chunk, self._ttfas.append
         for rid, frames in delivered:
             r = requests.get(rid)
             if r is None or r.status >= _FINISHED:
                 continue
-            o = out_for(r)
+            o = outs.get(rid)
+            if o is None:
+                o = outs[rid] = RequestOutput(rid)
             if o.audio is None:  # a stream's deferred chunk and an urgent one share one output
-                o.sample_offset = r.samples_emitted
+                o.sample_offset = r.frames_decoded * SAMPLES_PER_FRAME
                 o.audio = audio.get(rid)
             first = r.first_audio_time
             if first is not None:  # a later chunk: its lead on the playback clock
                 lead = first + r.frames_decoded * FRAME_S - now
-                leads.chunk(now, lead)
-                r.min_lead_s = min(r.min_lead_s, lead)
+                chunk_lead(now, lead)
+                if lead < r.min_lead_s:
+                    r.min_lead_s = lead
             r.frames_decoded += frames
             if first is None:
                 r.first_audio_time = now
-                self._ttfas.append((now, now - r.arrival_time))
+                ttfa((now, now - r.arrival_time))
 
     # -- load ---------------------------------------------------------------------------------
     @property
@@ -546,26 +576,6 @@ class Scheduler:
             target = self._targets[key] = self._snap(chunk_frames(schedule, index))
         return target
 
-    def _codec_frames(self, r: Request, pending: int, now: float) -> tuple[int, int]:
-        """Frames of r to decode this step (0 = wait for more), and why: ON_SCHEDULE (the schedule's
-        size), EARLY (smaller, because the listener's buffer runs low) or FLUSH (no frame is coming)."""
-        emitted = r.chunks_emitted
-        if r.next_chunk_index != emitted:  # asked per row per step: memoised on the request
-            r.next_chunk_index, r.next_chunk_frames = emitted, self._chunk_target(r.schedule, emitted)
-        target = r.next_chunk_frames
-        if pending >= target:
-            return target, ON_SCHEDULE
-        if r.status not in _HOLDS_KV:  # no frame is coming soon: flush what is there
-            return self._snap(pending), FLUSH
-        if emitted == 0:
-            return _WAIT
-        slack = r.deadline - now
-        config = self.config
-        steps = target - pending + config.codec_delivery_steps
-        if slack < steps * self.step_time_s + config.safety_margin_s:
-            return self._snap(pending), EARLY
-        return _WAIT
-
     def _first_audio_now(self, plan: StepPlan, now: float) -> list[FirstAudio]:
         """Sampling rows whose frame is decoded in this step: requests' first frames, when the first
         chunk is one frame (only prompt chunks can sample one: a decoding request has sampled a frame
@@ -589,11 +599,15 @@ class Scheduler:
         `max_now_frame_rows`); a stream with a chunk in this step is left out (its chunk comes first)."""
         wait = self.config.safety_margin_s + (2 + self.config.codec_delivery_steps) * self.step_time_s
         in_step = {c.request_id for c in plan.codec}
-        requests = self.requests
+        rows = plan.sampling_rows
+        row_of = {rid: i for i, rid in enumerate(rows)}
         low: list[tuple[float, int, Request]] = []
-        for i, rid in enumerate(plan.sampling_rows):
-            r = requests[rid]
-            if (r.chunks_emitted and r.codec_slot is not None and len(r.codes) == r.frames_launched
+        # only a request with no frame pending when the Code2Wav work was planned can qualify (a few
+        # of the rows): the rest had frames left over or launched them in this step's chunks
+        for r in self._caught_up:
+            rid = r.request_id
+            i = row_of.get(rid)
+            if (i is not None and r.chunks_emitted and r.codec_slot is not None and len(r.codes) == r.frames_launched
                     and rid not in in_step):
                 deadline = r.deadline
                 if deadline - now < wait:
@@ -636,18 +650,40 @@ class Scheduler:
 
     def _codec_ready(self, now: float) -> list[tuple[bool, float, int, Request, int, int]]:
         """(a later chunk, deadline, index in arrival order, request, frames, why) of each request
-        with a Code2Wav chunk to decode now."""
+        with a Code2Wav chunk to decode now: the schedule's next size (ON_SCHEDULE) once that many
+        frames are pending, else the pending frames snapped to a bucket when no frame is coming soon
+        (FLUSH) or a later chunk's listener runs low (EARLY). Also keeps the requests with no frame
+        pending in `_caught_up`, the candidates for frames decoded in their own step.
+        One pass over every request per step: the per-request work is inline (no calls on the
+        common path, a request waiting for more frames)."""
+        config = self.config
+        snap, chunk_target = self._snap, self._chunk_target
+        step_time, margin, delivery_steps = self.step_time_s, config.safety_margin_s, config.codec_delivery_steps
         ready = []
-        codec_frames = self._codec_frames
+        caught_up: list[Request] = []
         for i, r in enumerate(self.requests.values()):
             if r.codec_slot is None:
                 continue
             pending = len(r.codes) - r.frames_launched
             if pending <= 0:
+                caught_up.append(r)
                 continue
-            n, why = codec_frames(r, pending, now)
-            if n:
-                ready.append((r.chunks_emitted > 0, r.deadline, i, r, n, why))
+            emitted = r.chunks_emitted
+            if r.next_chunk_index != emitted:  # the next chunk's size, memoised on the request
+                r.next_chunk_index, r.next_chunk_frames = emitted, chunk_target(r.schedule, emitted)
+            target = r.next_chunk_frames
+            if pending >= target:
+                n, why = target, ON_SCHEDULE
+            elif r.status not in _HOLDS_KV:  # no frame is coming soon: flush what is there
+                n, why = snap(pending), FLUSH
+            elif emitted == 0:  # a first chunk waits for its full size
+                continue
+            elif r.deadline - now < (target - pending + delivery_steps) * step_time + margin:
+                n, why = snap(pending), EARLY  # the listener would run dry before the full chunk
+            else:
+                continue
+            ready.append((emitted > 0, r.deadline, i, r, n, why))
+        self._caught_up = caught_up
         return ready
 
     def _smooth(self, chosen: list[tuple[Request, int, int]], now: float) -> list[tuple[Request, int, int]]:
