@@ -11,8 +11,7 @@ import torch
 from engine.models import fused_layer
 from engine.models.config import DecoderShape
 from engine.models.layers import DecoderStack, KVCache
-from engine.models.talker import Talker
-from engine.runner import Runner, RunnerConfig
+from engine.runner import Runner
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or fused_layer.triton is None:
@@ -110,27 +109,9 @@ def test_code_predictor_loop_matches_the_eager_layers(b):
 
 
 def tiny_talker_runner(fused: bool) -> Runner:
-    from engine.models.codec import Code2Wav
-    from engine.models.config import parse_config
-    from tests.gpu.test_graphs import CODEC, tiny_config
+    from tests.gpu.test_graphs import tiny_runner
 
-    torch.manual_seed(0)
-    cfg = parse_config(tiny_config())
-    with torch.device("cuda"):
-        talker = Talker(cfg.talker).eval()
-        codec = Code2Wav(CODEC).eval()
-    talker = talker.to(torch.bfloat16)
-    talker.reset_rope("cuda")
-    r = Runner(talker, codec, cfg, RunnerConfig(num_slots=8, max_len=64, codec_slots=4, max_batch=8,
-                                                max_codec_batch=4, codec_frame_buckets=(1,), fused_layers=fused))
-    with torch.no_grad():
-        for slot in range(8):
-            r.p_float[slot] = torch.tensor([0.9, 1.0, 1.0, 0.9, 1.0])
-            r.p_int[slot] = torch.tensor([50, 50, 1234 + slot, 0, 1 << 30])
-        r.cache.k.normal_()
-        r.cache.v.normal_()
-    r.capture()
-    return r
+    return tiny_runner(torch.bfloat16, codec_frame_buckets=(1,), fused_layers=fused)
 
 
 def test_the_runner_fuses_its_stacks_at_capture_and_graphs_replay_the_fused_steps():

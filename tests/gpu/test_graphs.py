@@ -38,19 +38,19 @@ CODEC = dict(codebook_dim=16, codebook_size=2048, latent_dim=32, hidden_size=32,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, decoder_dim=64)
 
 
-@pytest.fixture(scope="module")
-def runner() -> Runner:
+def tiny_runner(dtype: torch.dtype = torch.float32, **config: object) -> Runner:
+    """A captured runner over the tiny random model: 8 slots with sampling settings, random caches."""
     torch.manual_seed(0)
     cfg = parse_config(tiny_config())
     with torch.device("cuda"):
-        talker = Talker(cfg.talker).eval()
+        talker = Talker(cfg.talker).eval().to(dtype)
         codec = Code2Wav(CODEC).eval()
         for p in codec.parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, std=0.1)
     talker.reset_rope("cuda")
     r = Runner(talker, codec, cfg, RunnerConfig(num_slots=8, max_len=64, codec_slots=4, max_batch=8,
-                                                kv_buckets=(32,), max_codec_batch=4))
+                                                max_codec_batch=4, **config))  # type: ignore[arg-type]
     with torch.no_grad():
         for slot in range(8):
             r.p_float[slot] = torch.tensor([0.9, 1.0, 1.0, 0.9, 1.0])
@@ -60,6 +60,11 @@ def runner() -> Runner:
         r.last_codes.random_(0, 2048)
     r.capture()
     return r
+
+
+@pytest.fixture(scope="module")
+def runner() -> Runner:
+    return tiny_runner(kv_buckets=(32,))
 
 
 def _eager_then_graph(runner: Runner, key, fn, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,17 +20,13 @@ def test_a_bad_scheduler_setting_stops_serve_before_any_engine_is_built(bad, mon
         serve_main(["--engine", "espeak", "--scheduler", bad])
 
 
-def test_the_first_chunk_lane_is_on_unless_a_flag_or_the_environment_turns_it_off(monkeypatch):
-    monkeypatch.delenv("CADENCE_FIRST_CHUNK_LANE", raising=False)
-    assert _serve_parser().parse_args([]).first_chunk_lane is True
-    assert _serve_parser().parse_args(["--no-first-chunk-lane"]).first_chunk_lane is False
-    monkeypatch.setenv("CADENCE_FIRST_CHUNK_LANE", "0")
-    assert _serve_parser().parse_args([]).first_chunk_lane is False
-
-
-def test_the_fused_layers_are_on_unless_a_flag_or_the_environment_turns_them_off(monkeypatch):
-    monkeypatch.delenv("CADENCE_FUSED_LAYERS", raising=False)
-    assert _serve_parser().parse_args([]).fused_layers is True
-    assert _serve_parser().parse_args(["--no-fused-layers"]).fused_layers is False
-    monkeypatch.setenv("CADENCE_FUSED_LAYERS", "0")
-    assert _serve_parser().parse_args([]).fused_layers is False
+@pytest.mark.parametrize(("field", "flag", "variable"), [
+    ("first_chunk_lane", "--no-first-chunk-lane", "CADENCE_FIRST_CHUNK_LANE"),
+    ("fused_layers", "--no-fused-layers", "CADENCE_FUSED_LAYERS"),
+])
+def test_a_default_on_engine_feature_is_off_by_its_flag_or_the_environment(field, flag, variable, monkeypatch):
+    monkeypatch.delenv(variable, raising=False)
+    assert getattr(_serve_parser().parse_args([]), field) is True
+    assert getattr(_serve_parser().parse_args([flag]), field) is False
+    monkeypatch.setenv(variable, "0")
+    assert getattr(_serve_parser().parse_args([]), field) is False
