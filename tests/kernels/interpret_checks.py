@@ -29,6 +29,8 @@ does. The `interpreter_shim` check tests the shim itself against torch and repor
 interpreter would have agreed (if it ever does, the shim can go). Not shimmed: reductions and scans
 over bf16 / fp8 tensors (tl.sum, tl.cumsum; the kernels here reduce in fp32); a new kernel that needs
 them will most likely fail its check (the references are torch's), not pass it.
+The shim also makes a loaded scalar usable as a loop bound (`range(0, length, ...)`): the stock
+interpreter converts its one-element array with int(), which numpy 2 refuses.
 libdevice functions are not interpreted at all (each returns None): the sampling checks stand in
 tl.math.div_rn and tl.log for libdevice.div_rn and libdevice.log.
 """
@@ -179,11 +181,23 @@ class Shim:
         for name, fn in (("cast_impl", cast_impl), ("create_fp_to_fp", create_fp_to_fp), ("binary_op", binary_op),
                          ("create_fma", create_fma), ("create_dot", create_dot)):
             setattr(builder, name, fn)
+        saved["_patch_lang_tensor"] = patch_tensor = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor: Any) -> None:
+            # a loaded scalar (a row's length) is a one-element array; numpy 2 converts only 0-d
+            # arrays with int(), so `range(0, length, ...)` failed under the stock interpreter
+            patch_tensor(tensor)
+            tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+        interpreter._patch_lang_tensor = patch_lang_tensor
         self.saved = saved
 
     def uninstall(self) -> None:
         for name, fn in self.saved.items():
-            setattr(interpreter.InterpreterBuilder, name, fn)
+            if name == "_patch_lang_tensor":
+                interpreter._patch_lang_tensor = fn
+            else:
+                setattr(interpreter.InterpreterBuilder, name, fn)
         self.saved = {}
 
     @contextlib.contextmanager
