@@ -29,6 +29,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 14   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; eager against fused layers and every GPU
 #                                                         test on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 15   # two GPUs: the default sweep (py-spy at C=512) on
+#                                                         one; early frames off on the other (C=256,384)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -172,5 +174,15 @@ case "${1:-}" in
      run 330 gpu-tests $PY -m pytest -q tests/gpu -p no:cacheprovider) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14"; exit 2 ;;
+  15)  # two GPUs, one build: the default sweep on GPU 0 (its server's stacks sampled at C=512), and
+       # beside it the same sweep with early frames off (max_now_frame_rows=0) at 256 and 384 streams
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     SERVE_ARGS="--scheduler max_now_frame_rows=0" PORT=8766 TAG=1.7b-no-early-frames \
+       CONC="${CONC_B:-256,384}" run 450 e2e-no-early-frames bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15"; exit 2 ;;
 esac
