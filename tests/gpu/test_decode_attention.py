@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.models import decode_attention
+from tests.kernel_references import decode_attention_reference as reference
 
 pytestmark = pytest.mark.gpu
 if not decode_attention.available(torch.device("cuda")) or not torch.cuda.is_available():
     pytest.skip("needs CUDA and Triton", allow_module_level=True)
-
-
-def reference(q, k_cache, v_cache, slots, lengths):
-    out = []
-    for row in range(q.shape[0]):
-        s, n = int(slots[row]), int(lengths[row])
-        keys, values = k_cache[s : s + 1, :, :n].float(), v_cache[s : s + 1, :, :n].float()
-        out.append(F.scaled_dot_product_attention(q[row : row + 1, :, None].float(), keys, values,
-                                                  enable_gqa=True)[0, :, 0])
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

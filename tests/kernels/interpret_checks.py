@@ -55,7 +55,6 @@ from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
@@ -63,6 +62,8 @@ from triton.runtime import interpreter  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.kernel_references import decode_attention_reference  # noqa: E402
 
 # -- the registry ------------------------------------------------------------------------------------
 
@@ -327,18 +328,6 @@ def rope() -> str:
 # -- decode attention (engine.models.decode_attention) ------------------------------------------------
 
 
-def _sdpa_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                    lengths: torch.Tensor) -> torch.Tensor:
-    """SDPA over each row's own slot and length, in fp32 (as tests/gpu/test_decode_attention.py)."""
-    out = []
-    for row in range(q.shape[0]):
-        s, n = int(slots[row]), int(lengths[row])
-        keys, values = k_cache[s : s + 1, :, :n].float(), v_cache[s : s + 1, :, :n].float()
-        out.append(F.scaled_dot_product_attention(q[row : row + 1, :, None].float(), keys, values,
-                                                  enable_gqa=True)[0, :, 0])
-    return torch.stack(out)
-
-
 def _decode_attention_cases(dtype: torch.dtype, tol: float) -> str:
     from engine.models import decode_attention
 
@@ -354,11 +343,11 @@ def _decode_attention_cases(dtype: torch.dtype, tol: float) -> str:
         q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
         got = decode_attention.decode_attention(q, k_cache, v_cache, slots, lengths, dim**-0.5)
         assert got.dtype == dtype and got.shape == q.shape
-        expected = _sdpa_reference(q, k_cache, v_cache, slots, lengths)
+        expected = decode_attention_reference(q, k_cache, v_cache, slots, lengths)
         worst = max(worst, close(got, expected, tol, tol, f"heads {heads}/{kv_heads}, dim {dim}, {dtype}"))
         # one length for every row (the code predictor's loop passes a Python int)
         got = decode_attention.decode_attention(q, k_cache, v_cache, slots, 17, dim**-0.5)
-        expected = _sdpa_reference(q, k_cache, v_cache, slots, torch.full_like(lengths, 17))
+        expected = decode_attention_reference(q, k_cache, v_cache, slots, torch.full_like(lengths, 17))
         worst = max(worst, close(got, expected, tol, tol, f"one length 17, heads {heads}/{kv_heads}, {dtype}"))
     return (f"GQA 4/2, 6/2, 2/2 heads, lengths {lengths.tolist()} and one int length 17: "
             f"max |diff| {worst:.3g} (tol {tol})")
@@ -390,7 +379,7 @@ def decode_attention_ignores_stale_positions() -> str:
     after = decode_attention.decode_attention(q, k_cache, v_cache, slots, lengths, 32**-0.5)
     assert not after.isnan().any(), "NaN past the length reached the output"
     assert torch.equal(before, after), "positions past the length changed the output"
-    close(after, _sdpa_reference(q, k_cache, v_cache, slots, lengths), 2e-2, 2e-2, "length 70 of 96")
+    close(after, decode_attention_reference(q, k_cache, v_cache, slots, lengths), 2e-2, 2e-2, "length 70 of 96")
     return "length 70 of 96: output unchanged by 1e4 keys / NaN values past it"
 
 
