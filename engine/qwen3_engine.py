@@ -251,6 +251,7 @@ class Qwen3Engine:
             self.runner.prefix_cache = self.prefix_cache
             self.scheduler.prefix_lookup = self.prefix_cache.lookup
         self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, self._prepare)
+        self.codec_state_bytes = float(self.codec.state_bytes_per_slot())  # fixed once the slots exist
         self._ready = False
 
     @classmethod
@@ -313,7 +314,7 @@ class Qwen3Engine:
         if self.runner.codec_states is not None:
             extra.update(self.runner.codec_states.stats())
         extra["kv_bytes_per_stream"] = float(self.runner.kv_bytes_per_stream)
-        extra["codec_state_bytes_per_stream"] = float(self.codec.state_bytes_per_slot())
+        extra["codec_state_bytes_per_stream"] = self.codec_state_bytes
         extra["step_time_ms"] = 1000 * self.scheduler.step_time_s  # step to step
         extra["step_busy_ms"] = 1000 * self.scheduler.step_busy_s  # planning to results
         if self.runner.device.type == "cuda":

@@ -264,9 +264,14 @@ class Runner:
     # -- prompts -------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, prompt: SegmentPrompt) -> int:
-        """Build the prompt embeddings (step thread); returns the prompt length."""
-        with self._talker_ctx():
-            return self._prepare(prompt)
+        """Build the prompt embeddings; returns the prompt length. Runs on the engine's preparer
+        thread, on the device's default stream, which the step's stream waits for (`_talker_ctx`)."""
+        n = self._prepare(prompt)
+        embeds = prompt.embeds
+        if self.talker_stream is not None and embeds is not None:
+            for t in (embeds.prefill, embeds.trailing, embeds.tts_pad):  # read there: freed after it did
+                t.record_stream(self.talker_stream)
+        return n
 
     def _prepare(self, prompt: SegmentPrompt) -> int:
         if prompt.embeds is None:

@@ -195,6 +195,7 @@ class _WorkerLoop:
         self.send_lock = threading.Lock()  # one writer at a time: a batch's message and its audio together
         self.loop_thread = threading.get_ident()
         self.engine_batches = threading.Event()  # an engine thread posted a batch for the writer
+        self.frozen_objects = 0.0  # objects gc.freeze() moved out of the collector's sight at start-up
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -206,6 +207,9 @@ class _WorkerLoop:
         # pausing the step thread for every object the model and its graphs hold
         gc.collect()
         gc.freeze()
+        # counted once: get_freeze_count() walks the whole frozen list (half a million objects, ~40 ms
+        # with the GIL held), which every load report paid and every engine thread waited for
+        self.frozen_objects = float(gc.get_freeze_count())
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         self.send("ready", self.engine.info)
         threading.Thread(target=self._read, args=(loop,), daemon=True).start()
@@ -294,7 +298,7 @@ class _WorkerLoop:
             load = self.engine.load()
             # this worker process's CPU time (all its threads): the load test turns it into a share of a core
             load.extra["worker_cpu_seconds"] = time.process_time()
-            load.extra["worker_gc_frozen_objects"] = float(gc.get_freeze_count())  # start-up's, kept from the collector
+            load.extra["worker_gc_frozen_objects"] = self.frozen_objects  # start-up's, kept from the collector
             self.post("load", load)
             await asyncio.sleep(LOAD_PERIOD_S)
 
