@@ -31,6 +31,8 @@
 #                                                         test on the other
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 15   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; early frames off on the other (C=256,384)
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 16   # two GPUs: the default sweep (py-spy at C=512) on
+#                                                         one; every GPU test, then C=576,640 on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -184,5 +186,15 @@ case "${1:-}" in
        CONC="${CONC_B:-256,384}" run 450 e2e-no-early-frames bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15"; exit 2 ;;
+  16)  # two GPUs, one build: the default sweep on GPU 0 (its server's stacks sampled at C=512); on GPU 1
+       # every GPU test, then the same server past 512 streams
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     PORT=8766 TAG=1.7b-past-512 CONC="${CONC_B:-576,640}" run 380 e2e-past-512 bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16"; exit 2 ;;
 esac
