@@ -5,7 +5,8 @@ scheduler under a lock (admission must answer at once); cancels go to a queue dr
 start of each step, so a cancel takes effect at the next step. Text is readied (`prepare`: tokens to
 prompt embeddings) by a thread of its own while the step thread waits for the GPU, in arrival order,
 and joins the scheduler at the next step. The step loop runs in its own thread and sleeps on a
-condition when there is nothing to do. Stepped by hand (no `start()`), a step readies the text itself.
+condition when there is nothing to do. Stepped by hand (no `start()`) or with `prepare_thread` off,
+a step readies the text itself, at its start.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ class EngineCore:
         runner: StepRunner,
         sink: OutputSink | None = None,
         prepare: Callable[[Segment], None] | None = None,
+        prepare_batch: Callable[[list[Segment]], list[str | None]] | None = None,
+        prepare_thread: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sink = sink  # receives each step's outputs (from the step thread)
-        self.prepare = prepare  # readies a segment on the step thread (e.g. prompt embeddings)
+        self.prepare = prepare  # readies a segment (e.g. prompt embeddings); raises to fail its request
+        self.prepare_batch = prepare_batch  # or readies many at once -> each one's error, or None
+        self.prepare_thread = prepare_thread  # False: the step readies the text at its start
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._aborts: deque[str] = deque()
@@ -141,7 +146,14 @@ class EngineCore:
         return outs
 
     def _prepare_all(self, items: list[tuple[str, Segment | None]]) -> list[Prepared]:
-        return [(request_id, segment, self._prepare_error(segment)) for request_id, segment in items]
+        if self.prepare_batch is None:
+            return [(request_id, segment, self._prepare_error(segment)) for request_id, segment in items]
+        segments = [segment for _, segment in items if segment is not None]
+        try:
+            errors = iter(self.prepare_batch(segments) if segments else [])
+        except Exception as exc:  # never the preparer thread's end: the batch's requests fail instead
+            errors = iter([f"{type(exc).__name__}: {exc}"] * len(segments))
+        return [(request_id, segment, None if segment is None else next(errors)) for request_id, segment in items]
 
     def _prepare_loop(self) -> None:
         """The preparer thread: ready queued text as it comes, hand it to the next step."""
@@ -178,7 +190,7 @@ class EngineCore:
         if self._thread is not None:
             return
         self._stopping = False
-        if self.prepare is not None:
+        if self.prepare_thread and (self.prepare is not None or self.prepare_batch is not None):
             self._preparer = threading.Thread(target=self._prepare_loop, name="engine-prepare", daemon=True)
             self._preparer.start()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ class Qwen3EngineConfig:
     codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks beside (RunnerConfig)
     fused_layers: bool = True  # decoder layers through engine.models.fused_layer on CUDA bf16 (RunnerConfig)
+    prepare_thread: bool = True  # prompts built on the core's preparer thread (else at each step's start)
     scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
@@ -250,7 +251,8 @@ class Qwen3Engine:
         if self.prefix_cache is not None:
             self.runner.prefix_cache = self.prefix_cache
             self.scheduler.prefix_lookup = self.prefix_cache.lookup
-        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, self._prepare)
+        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, prepare_batch=self._prepare,
+                               prepare_thread=ec.prepare_thread)
         self.codec_state_bytes = float(self.codec.state_bytes_per_slot())  # fixed once the slots exist
         self._ready = False
 
@@ -418,7 +420,22 @@ class Qwen3Engine:
             non_streaming=self.econfig.non_streaming_text, forced_frames=forced_frames,
         )
 
-    def _prepare(self, segment: Segment) -> None:
+    def _prepare(self, segments: list[Segment]) -> list[str | None]:
+        """Ready segments' prompts (the core's preparer thread), their embeddings in one batch; a
+        failed batch is retried segment by segment, so a bad one fails only its own request."""
+        errors: list[str | None] = [None] * len(segments)
+        for i, segment in enumerate(segments):
+            errors[i] = _error_of(self._resolve_clip, segment)
+        ready = [i for i, e in enumerate(errors) if e is None]
+        if _error_of(self.runner.prepare, [segments[i].payload for i in ready]) is not None:
+            for i in ready:
+                errors[i] = _error_of(self.runner.prepare, [segments[i].payload])
+        for i, segment in enumerate(segments):
+            if errors[i] is None:
+                errors[i] = _error_of(self._finish_prompt, segment)
+        return errors
+
+    def _resolve_clip(self, segment: Segment) -> None:
         pending = self._pending_prompts.pop(id(segment.payload), None)
         if pending is not None:  # a one-off clip: its prompt comes from the cache (computed once per clip)
             text, req, voice = pending
@@ -427,7 +444,9 @@ class Qwen3Engine:
             cloned = _Voice(speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
                             ref_text=prompt.ref_text)
             segment.payload = self._segment_prompt(text, req, cloned, segment.payload.forced_frames)
-        segment.prompt_len = self.runner.prepare(segment.payload)
+
+    def _finish_prompt(self, segment: Segment) -> None:
+        segment.prompt_len = self.runner.prompt_length(segment.payload)
         if segment.prompt_len >= self.econfig.max_len:
             raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {self.econfig.max_len}")
         if self.prefix_cache is not None:
@@ -494,3 +513,12 @@ class Qwen3Engine:
             batch.fail(stream.channel, EngineError(o.error or "synthesis failed"))
         else:
             batch.finish(stream.channel)
+
+
+def _error_of(fn: Callable[..., object], *args: Any) -> str | None:
+    """What failing `fn(*args)` ends its request with, or None."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -43,7 +43,8 @@ from engine.models.config import Qwen3TTSConfig
 from engine.models.talker import Talker
 from engine.plan import CodecChunk, DecodeRow, Frame, PrefillChunk, StepOutput, StepPlan
 from engine.prefix_cache import PrefixKVCache
-from engine.prompts import PromptEmbeds, PromptTokens, build_prompt_embeds
+from engine.prompt_builder import PromptBuilder, PromptItem
+from engine.prompts import PromptEmbeds, PromptTokens
 from engine.sampler import (
     SEED_MASK,
     SamplingParams,
@@ -77,7 +78,7 @@ class RowSampling:
 
 @dataclass
 class SegmentPrompt:
-    """A segment's prompt inputs; `embeds` is built on the step thread by Runner.prepare()."""
+    """A segment's prompt inputs; `embeds` is built by Runner.prepare() (the engine's preparer thread)."""
 
     tokens: PromptTokens | None  # None until a one-off clip's prompt is known
     speaker_embedding: Tensor | None = None
@@ -152,6 +153,7 @@ class Runner:
         self.talker = talker
         self.codec = codec
         self.cfg = cfg
+        self.prompt_builder = PromptBuilder(talker, cfg)  # keeps the embeddings that hold no text
         self.config = config
         p = talker.codec_head.weight
         self.device, self.dtype = p.device, p.dtype
@@ -263,24 +265,24 @@ class Runner:
 
     # -- prompts -------------------------------------------------------------------------------
     @torch.no_grad()
-    def prepare(self, prompt: SegmentPrompt) -> int:
-        """Build the prompt embeddings; returns the prompt length. Runs on the engine's preparer
-        thread, on the device's default stream, which the step's stream waits for (`_talker_ctx`)."""
-        n = self._prepare(prompt)
-        embeds = prompt.embeds
-        if self.talker_stream is not None and embeds is not None:
-            for t in (embeds.prefill, embeds.trailing, embeds.tts_pad):  # read there: freed after it did
-                t.record_stream(self.talker_stream)
-        return n
+    def prepare(self, prompts: list[SegmentPrompt]) -> None:
+        """Build the prompt embeddings of segments, all in one batch (a ValueError fails the batch).
+        Runs on the engine's preparer thread, on the device's default stream, which the step's
+        stream waits for (`_talker_ctx`)."""
+        todo = [p for p in prompts if p.embeds is None]
+        for p in todo:
+            assert p.tokens is not None, "segment prompt not tokenised"
+        items = [PromptItem(p.tokens, speaker_embedding=p.speaker_embedding, ref_codes=p.ref_codes,
+                            non_streaming=p.non_streaming) for p in todo if p.tokens is not None]
+        for p, embeds in zip(todo, self.prompt_builder.build(items), strict=True):
+            p.embeds = embeds
+            if self.talker_stream is not None:  # read there: freed only after it did
+                for t in (embeds.prefill, embeds.trailing, embeds.tts_pad):
+                    t.record_stream(self.talker_stream)
 
-    def _prepare(self, prompt: SegmentPrompt) -> int:
-        if prompt.embeds is None:
-            assert prompt.tokens is not None, "segment prompt not tokenised"
-            prompt.embeds = build_prompt_embeds(
-                self.talker, self.cfg, prompt.tokens,
-                speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes,
-                non_streaming=prompt.non_streaming,
-            )
+    def prompt_length(self, prompt: SegmentPrompt) -> int:
+        """A prepared segment's prompt length (ValueError: its text does not fit a slot's tables)."""
+        assert prompt.embeds is not None, "segment prompt not prepared"
         n = prompt.embeds.trailing.shape[0]
         if n > self.config.max_trailing:
             raise ValueError(f"segment text too long: {n} text positions > {self.config.max_trailing}")

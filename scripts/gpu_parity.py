@@ -100,7 +100,8 @@ def main() -> None:
     from engine.generate import GenerationRequest, generate_codes
     from engine.models.config import GenerationDefaults, parse_config
     from engine.models.talker import Talker
-    from engine.prompts import PromptTokens, build_prompt_embeds
+    from engine.prompt_builder import build_prompt_embeds
+    from engine.prompts import PromptTokens
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows: list[tuple[str, str, str]] = []

@@ -33,6 +33,9 @@
 #                                                         one; early frames off on the other (C=256,384)
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 16   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; every GPU test, then C=576,640 on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 17   # two GPUs: the default sweep (py-spy at C=512) on
+#                                                         one; every GPU test, then the sweep with prompts
+#                                                         built at the step's start (--prepare-on-step)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -196,5 +199,16 @@ case "${1:-}" in
      PORT=8766 TAG=1.7b-past-512 CONC="${CONC_B:-576,640}" run 380 e2e-past-512 bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16"; exit 2 ;;
+  17)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test,
+       # then the same sweep with new text's prompts built at each step's start instead of on a thread
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     SERVE_ARGS="--prepare-on-step" PORT=8766 TAG=1.7b-prepare-on-step CONC="${CONC_B:-256,512}" \
+       run 380 e2e-prepare-on-step bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17"; exit 2 ;;
 esac

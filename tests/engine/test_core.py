@@ -222,3 +222,19 @@ def test_running_loop_fails_only_the_request_whose_text_fails_to_prepare():
         assert "bad text" in errors["bad0"] and "ok0" not in errors
     finally:
         core.stop()
+
+
+def test_with_the_preparer_thread_off_the_running_loop_readies_text_on_the_step_thread():
+    threads, finished = [], threading.Event()
+    core = EngineCore(create_scheduler(), FakeRunner(), lambda outs: [finished.set() for o in outs if o.finished],
+                      prepare=lambda seg: threads.append(threading.current_thread().name), prepare_thread=False)
+    core.start()
+    try:
+        (r,) = create_requests(1, prompt_len=2, max_frames=2, segments=0, closed=False)
+        core.add_request(r)
+        core.add_segment("r0", make_segment(prompt_len=2, max_frames=2))
+        core.close_text("r0")
+        assert finished.wait(5)
+        assert threads == ["engine-step"] and r.frames_generated == 2
+    finally:
+        core.stop()

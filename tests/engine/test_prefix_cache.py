@@ -12,7 +12,8 @@ from engine.api import SynthesisRequest, TextSegment
 from engine.models.layers import KVCache
 from engine.plan import StepPlan
 from engine.prefix_cache import PrefixKVCache, prefix_key, prefix_length
-from engine.prompts import PromptRequest, build_prompt_embeds, tokenize_request
+from engine.prompt_builder import build_prompt_embeds
+from engine.prompts import PromptRequest, tokenize_request
 from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
 from tests.engine.test_qwen3_engine import bundle, checkpoint, drive, make_engine  # noqa: F401
 from tests.engine.test_voice_clone import clip

@@ -10,7 +10,8 @@ import torch
 
 from engine.api import SynthesisRequest, TextSegment
 from engine.generate import GenerationRequest, generate_codes
-from engine.prompts import PromptRequest, build_prompt
+from engine.prompt_builder import build_prompt
+from engine.prompts import PromptRequest
 from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
 from engine.request import RequestStatus
 
@@ -275,3 +276,43 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
         for rid, n in out.delivered:
             frames[rid] = frames.get(rid, 0) + n
         assert all(out.audio[rid].size == n * 1920 for rid, n in frames.items())
+
+
+async def test_a_segment_too_long_fails_alone_in_its_prepared_batch(bundle):
+    """Text readied in one batch: the segment past max_trailing ends its own request with the error;
+    the other request in the batch speaks in full."""
+    engine = make_engine(bundle, max_trailing=8)
+    long_stream, long_state = open_greedy(engine, "long", "This sentence has far too many words for eight text positions.", 3)
+    short_stream, short_state = open_greedy(engine, "short", "Hi there.", 3)
+    assert len(engine.core._text) == 4  # both segments and both closes wait for one step's batch
+    drive(engine)
+    assert long_state.status == RequestStatus.FINISHED_ERROR
+    with pytest.raises(Exception, match="segment text too long"):
+        await collect(long_stream)
+    assert short_state.status == RequestStatus.FINISHED_STOPPED and short_state.frames_generated == 3
+    assert (await collect(short_stream))[-1].final
+
+
+async def test_a_prompt_that_fails_to_build_fails_alone_in_its_batch(bundle, monkeypatch):
+    """Building a batch fails (here: the builder refuses one text, a stand-in for any prompt it
+    cannot build): each segment is then built alone, and only the refused one's request ends."""
+    engine = make_engine(bundle)
+    builder = engine.runner.prompt_builder
+    build, batches = builder.build, []
+
+    def refusing(items):
+        batches.append(len(items))
+        if any(engine.tokenizer.decode(i.tokens.text_ids).count("Refused") for i in items):
+            raise ValueError("refused prompt")
+        return build(items)
+
+    monkeypatch.setattr(builder, "build", refusing)
+    bad_stream, bad_state = open_greedy(engine, "bad", "Refused words.", 3)
+    good_stream, good_state = open_greedy(engine, "good", "Hi there.", 3)
+    drive(engine)
+    assert batches == [2, 1, 1]  # the batch, then each alone
+    assert bad_state.status == RequestStatus.FINISHED_ERROR
+    with pytest.raises(Exception, match="refused prompt"):
+        await collect(bad_stream)
+    assert good_state.status == RequestStatus.FINISHED_STOPPED and good_state.frames_generated == 3
+    assert (await collect(good_stream))[-1].final

@@ -10,7 +10,8 @@ import torch
 
 from engine.api import InvalidAudio, SynthesisRequest, TextSegment
 from engine.generate import GenerationRequest, generate_codes
-from engine.prompts import PromptRequest, build_prompt
+from engine.prompt_builder import build_prompt
+from engine.prompts import PromptRequest
 from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
 from tests.engine.test_qwen3_engine import drive
 

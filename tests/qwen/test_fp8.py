@@ -291,7 +291,8 @@ async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_ge
 
     from engine.api import SynthesisRequest, TextSegment
     from engine.generate import GenerationRequest, generate_codes
-    from engine.prompts import PromptRequest, build_prompt
+    from engine.prompt_builder import build_prompt
+    from engine.prompts import PromptRequest
     from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
     from tests.reference_builders import build_reference_tts, load_ours
 

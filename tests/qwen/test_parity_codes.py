@@ -13,7 +13,8 @@ import torch
 
 from engine.generate import GenerationRequest, generate_codes
 from engine.loader import Qwen3TTSBundle, load_qwen3_tts
-from engine.prompts import PromptRequest, build_prompt
+from engine.prompt_builder import build_prompt
+from engine.prompts import PromptRequest
 from tests.reference_builders import load_reference
 
 pytestmark = pytest.mark.reference

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.models.config import parse_config
-from engine.prompts import PromptRequest, assistant_text, build_prompt, instruct_text, tokenize_request
+from engine.prompt_builder import build_prompt
+from engine.prompts import PromptRequest, assistant_text, instruct_text, tokenize_request
 from engine.tokenizer import MISTRAL_FIX_PATTERN, TextTokenizer
 
 pytestmark = pytest.mark.reference
@@ -146,3 +147,36 @@ def test_streaming_text_layout(bundles: dict) -> None:
     n_text = len(tokens.text_ids) - 8
     assert streaming.trailing.shape[0] == n_text  # text[1:] + tts_eos
     assert full.trailing.shape[0] == 1 and full.prefill.shape[0] == streaming.prefill.shape[0] + n_text + 1
+
+
+def test_a_batch_of_mixed_prompts_equals_each_built_alone(bundles: dict) -> None:
+    """One builder, one batch: streaming and non-streaming text, an instruction, a clone and preset
+    speakers in several languages, each equal to its prompt built alone (text projected row by row),
+    and the kept tag embeddings serve a second batch unchanged."""
+    from engine.prompt_builder import PromptBuilder, PromptItem, build_prompt_embeds
+
+    cv, base = bundles["custom_voice"], bundles["base"]
+    reqs = [PromptRequest(text="Hello world.", speaker="Ryan", language="English", instruct="Be calm."),
+            PromptRequest(text="Good morning, how are you today?", speaker="Eric", language="Auto"),
+            PromptRequest(text="The quick brown fox.", speaker="Vivian", language="Chinese", non_streaming=True),
+            PromptRequest(text="Hello world.", speaker="Ryan", language="English")]
+    items = [PromptItem(tokenize_request(cv.tokenizer, cv.config, r), non_streaming=r.non_streaming) for r in reqs]
+    builder = PromptBuilder(cv.talker, cv.config)
+    for _ in range(2):
+        for item, got in zip(items, builder.build(items), strict=True):
+            alone = build_prompt_embeds(cv.talker, cv.config, item.tokens, non_streaming=item.non_streaming)
+            for a, b in ((got.prefill, alone.prefill), (got.trailing, alone.trailing), (got.tts_pad, alone.tts_pad)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert len(builder._tags) == 3  # (English, Ryan) built once for rows 0 and 3
+
+    g = base.config.talker.num_code_groups
+    clone = PromptRequest(text="Good morning.", language="English", speaker_embedding=torch.randn(base.config.talker.hidden_size),
+                          ref_codes=torch.randint(0, 100, (5, g)), ref_text="Hi there, reference.")
+    tokens = tokenize_request(base.tokenizer, base.config, clone)
+    item = PromptItem(tokens, speaker_embedding=clone.speaker_embedding, ref_codes=clone.ref_codes)
+    plain = PromptItem(tokenize_request(base.tokenizer, base.config, PromptRequest(text="Plain text.")))
+    got = PromptBuilder(base.talker, base.config).build([plain, item, plain])[1]
+    alone = build_prompt_embeds(base.talker, base.config, tokens, speaker_embedding=clone.speaker_embedding,
+                                ref_codes=clone.ref_codes)
+    torch.testing.assert_close(got.prefill, alone.prefill, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.trailing, alone.trailing, rtol=0, atol=1e-6)

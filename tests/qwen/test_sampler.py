@@ -109,7 +109,8 @@ def test_forced_end_allows_only_eos() -> None:
 
 def test_forced_length_and_seeds_in_generation(bundles: dict) -> None:
     """Sampling mode: forced_frames gives exactly N frames; a row's codes depend only on its seed."""
-    from engine.prompts import PromptRequest, build_prompt
+    from engine.prompt_builder import build_prompt
+    from engine.prompts import PromptRequest
 
     b = bundles["custom_voice"]
     prompts = [build_prompt(b.talker, b.config, b.tokenizer, PromptRequest(text=t, speaker="ryan"))
