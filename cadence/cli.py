@@ -34,9 +34,6 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
                    default=_env("fused_layers", "1") != "0",
                    help="talker and code predictor layers on eager ops instead of the fused kernels")
-    p.add_argument("--prepare-on-step", dest="prepare_thread", action="store_false",
-                   default=_env("prepare_thread", "1") != "0",
-                   help="build new text's prompts at the start of each step instead of on a thread beside it")
     p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
                    default=(_env("scheduler", "") or "").split(),
                    help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
@@ -89,7 +86,7 @@ def serve_main(argv: list[str]) -> int:
     engine = build_engine(EngineOptions(
         name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
         dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap, first_chunk_lane=args.first_chunk_lane,
-        fused_layers=args.fused_layers, prepare_thread=args.prepare_thread,
+        fused_layers=args.fused_layers,
         max_streams=args.max_streams, scheduler=tuple(args.scheduler), gpus=args.gpus,
         upstream=args.upstream, upstream_streams=args.upstream_streams,
         upstream_word_timestamps=args.upstream_word_timestamps,

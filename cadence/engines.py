@@ -22,7 +22,6 @@ class EngineOptions:
     codec_overlap: bool = False  # Code2Wav beside the talker on a CUDA stream of its own
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks on a lane beside
     fused_layers: bool = True  # talker and code predictor layers through the fused kernels (CUDA bf16)
-    prepare_thread: bool = True  # new text's prompts built on a thread beside the step (else at its start)
     max_streams: int = 256  # concurrent streams the engine admits
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
@@ -137,7 +136,7 @@ def build_engine(options: EngineOptions) -> Engine:
         config = Qwen3EngineConfig(
             max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu",
             codec_overlap=options.codec_overlap, first_chunk_lane=options.first_chunk_lane,
-            fused_layers=options.fused_layers, prepare_thread=options.prepare_thread,
+            fused_layers=options.fused_layers,
             scheduler_overrides=options.scheduler,
             kv_budget_bytes=kv_budget,
             # every decoding row takes one token of a step's budget: leave room for new prompts beside them

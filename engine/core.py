@@ -1,12 +1,11 @@
 """The engine step: plan = scheduler.schedule() -> out = runner.execute(plan) -> scheduler.update().
 
-Inputs (new requests, text, cancels) may come from any thread. New requests go straight to the
-scheduler under a lock (admission must answer at once); cancels go to a queue drained once at the
-start of each step, so a cancel takes effect at the next step. Text is readied (`prepare`: tokens to
-prompt embeddings) by a thread of its own while the step thread waits for the GPU, in arrival order,
-and joins the scheduler at the next step. The step loop runs in its own thread and sleeps on a
-condition when there is nothing to do. Stepped by hand (no `start()`) or with `prepare_thread` off,
-a step readies the text itself, at its start.
+Inputs (new requests, text, cancels) may come from any thread. New requests and text go straight
+to the scheduler under a lock (admission must answer at once); cancels go to a queue drained once
+at the start of each step, so a cancel takes effect at the next step. A step readies the text that
+came since the last one (`prepare` or, all in one batch, `prepare_batch`: e.g. prompt embeddings)
+before it plans. The step loop runs in its own thread and sleeps on a condition when there is
+nothing to do.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class StepRunner(Protocol):
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
-Prepared = tuple[str, Segment | None, str | None]  # request id, segment (None: close), error
 
 
 class EngineCore:
@@ -37,22 +35,17 @@ class EngineCore:
         sink: OutputSink | None = None,
         prepare: Callable[[Segment], None] | None = None,
         prepare_batch: Callable[[list[Segment]], list[str | None]] | None = None,
-        prepare_thread: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sink = sink  # receives each step's outputs (from the step thread)
-        self.prepare = prepare  # readies a segment (e.g. prompt embeddings); raises to fail its request
+        self.prepare = prepare  # readies a segment on the step thread; raises to fail its request
         self.prepare_batch = prepare_batch  # or readies many at once -> each one's error, or None
-        self.prepare_thread = prepare_thread  # False: the step readies the text at its start
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._aborts: deque[str] = deque()
         self._text: deque[tuple[str, Segment | None]] = deque()  # (id, segment) or (id, None) = close
-        self._text_wake = threading.Condition(self._lock)  # the preparer's
-        self._ready: deque[Prepared] = deque()  # readied text, in arrival order, for the next step
         self._thread: threading.Thread | None = None
-        self._preparer: threading.Thread | None = None
         self._stopping = False
         self._inputs = 0  # bumped by every input, so the loop never sleeps through one
         self.steps = 0
@@ -66,20 +59,17 @@ class EngineCore:
             self._wake.notify()
 
     def add_segment(self, request_id: str, segment: Segment) -> None:
-        """Queue text; it joins the request at the next step after `prepare`."""
-        self._queue_text(request_id, segment)
-
-    def close_text(self, request_id: str) -> None:
-        self._queue_text(request_id, None)
-
-    def _queue_text(self, request_id: str, segment: Segment | None) -> None:
+        """Queue text; it joins the request at the next step (after `prepare`)."""
         with self._wake:
             self._text.append((request_id, segment))
             self._inputs += 1
-            if self._preparer is not None:
-                self._text_wake.notify()
-            else:
-                self._wake.notify()
+            self._wake.notify()
+
+    def close_text(self, request_id: str) -> None:
+        with self._wake:
+            self._text.append((request_id, None))
+            self._inputs += 1
+            self._wake.notify()
 
     def abort(self, request_id: str) -> None:
         """Cancel; applied at the start of the next step."""
@@ -121,16 +111,13 @@ class EngineCore:
         return self.scheduler.abort(ids) if ids else []
 
     def _process_text(self) -> list[RequestOutput]:
-        """Hand the readied text to the scheduler in one go (stepped by hand: ready it first, no lock held)."""
+        """Prepare the queued text (no lock held), then hand it all to the scheduler in one go."""
         with self._lock:
-            prepared = list(self._ready)
-            self._ready.clear()
-            items = [] if self._preparer is not None else list(self._text)
-            if items:
-                self._text.clear()
-        prepared += self._prepare_all(items)
-        if not prepared:
+            items = list(self._text)
+            self._text.clear()
+        if not items:
             return []
+        prepared = self._prepare_all(items)
         outs: list[RequestOutput] = []
         with self._lock:
             for request_id, segment, error in prepared:
@@ -145,31 +132,16 @@ class EngineCore:
                         outs += self.scheduler.fail([request_id], str(exc))
         return outs
 
-    def _prepare_all(self, items: list[tuple[str, Segment | None]]) -> list[Prepared]:
+    def _prepare_all(self, items: list[tuple[str, Segment | None]]) -> list[tuple[str, Segment | None, str | None]]:
+        """Each item with the error that fails its request, or None."""
         if self.prepare_batch is None:
             return [(request_id, segment, self._prepare_error(segment)) for request_id, segment in items]
         segments = [segment for _, segment in items if segment is not None]
         try:
             errors = iter(self.prepare_batch(segments) if segments else [])
-        except Exception as exc:  # never the preparer thread's end: the batch's requests fail instead
+        except Exception as exc:  # never the step's end: the batch's requests fail instead
             errors = iter([f"{type(exc).__name__}: {exc}"] * len(segments))
         return [(request_id, segment, None if segment is None else next(errors)) for request_id, segment in items]
-
-    def _prepare_loop(self) -> None:
-        """The preparer thread: ready queued text as it comes, hand it to the next step."""
-        while True:
-            with self._lock:
-                while not (self._text or self._stopping):
-                    self._text_wake.wait()
-                if self._stopping:
-                    return
-                items = list(self._text)
-                self._text.clear()
-            prepared = self._prepare_all(items)
-            with self._wake:
-                self._ready.extend(prepared)
-                self._inputs += 1
-                self._wake.notify()
 
     def _prepare_error(self, segment: Segment | None) -> str | None:
         """Run `prepare` on a segment; the error that fails its request, if any."""
@@ -190,9 +162,6 @@ class EngineCore:
         if self._thread is not None:
             return
         self._stopping = False
-        if self.prepare_thread and (self.prepare is not None or self.prepare_batch is not None):
-            self._preparer = threading.Thread(target=self._prepare_loop, name="engine-prepare", daemon=True)
-            self._preparer.start()
         self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -201,19 +170,16 @@ class EngineCore:
             self._stopping = True
             self._inputs += 1
             self._wake.notify()
-            self._text_wake.notify()
-        for thread in (self._thread, self._preparer):
-            if thread is not None:
-                thread.join(timeout)
-        self._thread = self._preparer = None
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def _idle(self) -> bool:
-        text = self._ready or (self._text and self._preparer is None)
-        return not (self._stopping or self._aborts or text or self.scheduler.has_work())
+        return not (self._stopping or self._aborts or self._text or self.scheduler.has_work())
 
     def _loop(self) -> None:
         while True:

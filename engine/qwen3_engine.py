@@ -71,7 +71,6 @@ class Qwen3EngineConfig:
     codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks beside (RunnerConfig)
     fused_layers: bool = True  # decoder layers through engine.models.fused_layer on CUDA bf16 (RunnerConfig)
-    prepare_thread: bool = True  # prompts built on the core's preparer thread (else at each step's start)
     scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
     ttfa_target_s: float = 0.025
@@ -251,8 +250,7 @@ class Qwen3Engine:
         if self.prefix_cache is not None:
             self.runner.prefix_cache = self.prefix_cache
             self.scheduler.prefix_lookup = self.prefix_cache.lookup
-        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, prepare_batch=self._prepare,
-                               prepare_thread=ec.prepare_thread)
+        self.core = EngineCore(self.scheduler, self.runner, self._on_outputs, prepare_batch=self._prepare)
         self.codec_state_bytes = float(self.codec.state_bytes_per_slot())  # fixed once the slots exist
         self._ready = False
 
@@ -421,7 +419,7 @@ class Qwen3Engine:
         )
 
     def _prepare(self, segments: list[Segment]) -> list[str | None]:
-        """Ready segments' prompts (the core's preparer thread), their embeddings in one batch; a
+        """Ready segments' prompts (a step's start), their embeddings in one batch; a
         failed batch is retried segment by segment, so a bad one fails only its own request."""
         errors: list[str | None] = [None] * len(segments)
         for i, segment in enumerate(segments):

@@ -78,7 +78,7 @@ class RowSampling:
 
 @dataclass
 class SegmentPrompt:
-    """A segment's prompt inputs; `embeds` is built by Runner.prepare() (the engine's preparer thread)."""
+    """A segment's prompt inputs; `embeds` is built on the step thread by Runner.prepare()."""
 
     tokens: PromptTokens | None  # None until a one-off clip's prompt is known
     speaker_embedding: Tensor | None = None
@@ -267,8 +267,8 @@ class Runner:
     @torch.no_grad()
     def prepare(self, prompts: list[SegmentPrompt]) -> None:
         """Build the prompt embeddings of segments, all in one batch (a ValueError fails the batch).
-        Runs on the engine's preparer thread, on the device's default stream, which the step's
-        stream waits for (`_talker_ctx`)."""
+        Runs at a step's start, on the device's default stream, which the step's stream waits for
+        (`_talker_ctx`)."""
         todo = [p for p in prompts if p.embeds is None]
         for p in todo:
             assert p.tokens is not None, "segment prompt not tokenised"

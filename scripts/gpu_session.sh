@@ -35,7 +35,8 @@
 #                                                         one; every GPU test, then C=576,640 on the other
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 17   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; every GPU test, then the sweep with prompts
-#                                                         built at the step's start (--prepare-on-step)
+#                                                         built at the step's start (--prepare-on-step,
+#                                                         a flag of def702b only: since then they always are)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."

@@ -155,86 +155,37 @@ def test_a_segment_that_fails_to_prepare_ends_its_request():
     assert r.status == RequestStatus.FINISHED_ERROR and "bad text" in outs[0].error
 
 
-def test_running_loop_prepares_text_on_its_own_thread_while_a_step_runs():
-    """The preparer readies text while the step thread is inside execute (waiting for the GPU):
-    a segment queued mid-step is ready for the next one, and closes keep their place behind it."""
-    threads, finished = [], threading.Event()
-    in_step, release = threading.Event(), threading.Event()
-    runner = FakeRunner()
+def test_a_batch_preparer_gets_a_steps_text_in_one_call_and_fails_only_what_it_refuses():
+    calls = []
 
-    def hold_first_step():
-        if len(runner.plans) == 1:
-            in_step.set()
-            assert release.wait(5)
+    def prepare_batch(segments):
+        calls.append([s.text.text for s in segments])
+        return ["ValueError: bad text" if s.text.text == "bad" else None for s in segments]
 
-    runner.during_execute = hold_first_step
-
-    def prepare(seg):
-        threads.append(threading.current_thread().name)
-
-    core = EngineCore(create_scheduler(), runner,
-                      lambda outs: [finished.set() for o in outs if o.finished], prepare=prepare)
-    core.start()
-    try:
-        (r,) = create_requests(1, prompt_len=2, max_frames=2, segments=1, closed=False)
-        core.add_request(r)
-        assert in_step.wait(5)  # the step thread is held inside execute
-        core.add_segment("r0", make_segment(prompt_len=2, max_frames=2))
-        core.close_text("r0")
-        deadline = time.monotonic() + 5
-        while not threads and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert threads == ["engine-prepare"]  # readied while the step still ran
-        release.set()
-        assert finished.wait(5)
-        assert r.text_closed and r.frames_generated == 4  # both segments, then the close
-    finally:
-        release.set()
-        core.stop()
-    assert not core.running
+    core = EngineCore(create_scheduler(), FakeRunner(), prepare_batch=prepare_batch)
+    (bad,) = create_requests(1, segments=0, closed=False, prefix="bad")
+    (ok,) = create_requests(1, prompt_len=2, max_frames=2, segments=0, closed=False, prefix="ok")
+    core.add_request(bad)
+    core.add_request(ok)
+    core.add_segment("bad0", make_segment(text="bad"))
+    core.add_segment("ok0", make_segment(prompt_len=2, max_frames=2, text="fine"))
+    core.close_text("ok0")
+    outs = core.step()
+    assert calls == [["bad", "fine"]]  # one call for the step's text, closes not among it
+    assert bad.status == RequestStatus.FINISHED_ERROR and any("bad text" in (o.error or "") for o in outs)
+    assert ok.text_closed and ok.frames_generated == 1 and ok.status != RequestStatus.FINISHED_ERROR
 
 
-def test_running_loop_fails_only_the_request_whose_text_fails_to_prepare():
-    errors, finished = {}, threading.Event()
+def test_a_batch_preparer_that_raises_fails_its_batch_not_the_engine():
+    def prepare_batch(segments):
+        raise RuntimeError("device lost")
 
-    def prepare(seg):
-        if seg.text.text == "bad":
-            raise ValueError("bad text")
-
-    def sink(outs):
-        for o in outs:
-            if o.error:
-                errors[o.request_id] = o.error
-            if o.request_id == "ok0" and o.finished:
-                finished.set()
-
-    core = EngineCore(create_scheduler(), FakeRunner(), sink, prepare=prepare)
-    core.start()
-    try:
-        (bad,) = create_requests(1, segments=0, closed=False, prefix="bad")
-        (ok,) = create_requests(1, prompt_len=2, max_frames=2, segments=0, closed=False, prefix="ok")
-        core.add_request(bad)
-        core.add_request(ok)
-        core.add_segment("bad0", make_segment(text="bad"))
-        core.add_segment("ok0", make_segment(prompt_len=2, max_frames=2))
-        core.close_text("ok0")
-        assert finished.wait(5)
-        assert "bad text" in errors["bad0"] and "ok0" not in errors
-    finally:
-        core.stop()
-
-
-def test_with_the_preparer_thread_off_the_running_loop_readies_text_on_the_step_thread():
-    threads, finished = [], threading.Event()
-    core = EngineCore(create_scheduler(), FakeRunner(), lambda outs: [finished.set() for o in outs if o.finished],
-                      prepare=lambda seg: threads.append(threading.current_thread().name), prepare_thread=False)
-    core.start()
-    try:
-        (r,) = create_requests(1, prompt_len=2, max_frames=2, segments=0, closed=False)
-        core.add_request(r)
-        core.add_segment("r0", make_segment(prompt_len=2, max_frames=2))
-        core.close_text("r0")
-        assert finished.wait(5)
-        assert threads == ["engine-step"] and r.frames_generated == 2
-    finally:
-        core.stop()
+    core = EngineCore(create_scheduler(), FakeRunner(), prepare_batch=prepare_batch)
+    (a,) = create_requests(1, segments=0, closed=False, prefix="a")
+    (b,) = create_requests(1, prompt_len=2, max_frames=2, prefix="b")
+    core.add_request(a)
+    core.add_request(b)
+    core.add_segment("a0", make_segment())
+    core.step()
+    assert a.status == RequestStatus.FINISHED_ERROR and "device lost" in (a.error or "")
+    assert b.status != RequestStatus.FINISHED_ERROR and b.frames_generated == 1

@@ -1,4 +1,4 @@
-"""`cadence serve` engine flags: `--scheduler FIELD=JSON` (flags and the environment, checked at start-up), the first-chunk lane, the fused layers and the preparer thread."""
+"""`cadence serve` engine flags: `--scheduler FIELD=JSON` (flags and the environment, checked at start-up), the first-chunk lane and the fused layers."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ def test_a_bad_scheduler_setting_stops_serve_before_any_engine_is_built(bad, mon
 @pytest.mark.parametrize(("field", "flag", "variable"), [
     ("first_chunk_lane", "--no-first-chunk-lane", "CADENCE_FIRST_CHUNK_LANE"),
     ("fused_layers", "--no-fused-layers", "CADENCE_FUSED_LAYERS"),
-    ("prepare_thread", "--prepare-on-step", "CADENCE_PREPARE_THREAD"),
 ])
 def test_a_default_on_engine_feature_is_off_by_its_flag_or_the_environment(field, flag, variable, monkeypatch):
     monkeypatch.delenv(variable, raising=False)
