@@ -54,8 +54,8 @@ def test_scheduler_fields_are_set_from_the_command_line() -> None:
 
 
 def test_presets_keep_the_older_calibration_and_the_host_term_grows_past_the_overlapped_rows() -> None:
-    fused, eager = load_costs(None, None), load_costs(None, None, "h200-eager-layers")
-    assert set(PRESETS) == {"h200-fused-layers", "h200-eager-layers"}
+    fused, eager = load_costs(None, None, "h200-fused-layers"), load_costs(None, None, "h200-eager-layers")
+    assert set(PRESETS) == {"h200-batched-prompts", "h200-fused-layers", "h200-eager-layers"}
     assert eager.decode == (1.0, 0.0125) and eager.sample == (6.7, 0.0167)
     assert eager.host_step_ms(1) == eager.host_step_ms(512) == 5.0
     assert fused.decode[1] < eager.decode[1] and fused.sample[0] < eager.sample[0]
@@ -80,3 +80,11 @@ def test_the_seed_changes_the_run() -> None:
     costs = load_costs(None, None)
     a, b = Simulation(args(None, 0), 64, costs).run(), Simulation(args(None, 1), 64, costs).run()
     assert a != b
+
+
+def test_the_default_preset_has_no_host_term_and_codec_scaled_to_the_later_bench() -> None:
+    batched, fused = load_costs(None, None), load_costs(None, None, "h200-fused-layers")
+    assert batched.host_step_ms(1) == batched.host_step_ms(512) == 0.0
+    assert batched.decode[1] < fused.decode[1]
+    # the fused-transformer Code2Wav bench measured every shape faster than the older table
+    assert all(batched.launch_ms(64, f) < fused.launch_ms(64, f) for f in (1, 4, 25))
