@@ -41,6 +41,8 @@ STREAMS_PER_PROCESS = 128
 GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
 ENGINE_FIGURE_METRIC = "cadence_engine_figure"
 CPU_METRIC = "process_cpu_seconds_total"
+GC_PAUSE_METRIC = "cadence_gc_pause_seconds"
+GC_LONGEST_METRIC = "cadence_gc_pause_longest_seconds"
 WORKER_CPU_FIGURE = "worker_cpu_seconds"
 
 
@@ -255,6 +257,7 @@ def run_point(
     gpu = gpu_memory_gb(url)
     point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
     point.update(cpu)
+    point.update(gc_figures(text))
     if figures:
         point["engine_figures"] = figures
     return point
@@ -300,6 +303,21 @@ def cpu_seconds(text: str) -> dict[str, float]:
     worker = parse_engine_figures(text).get(WORKER_CPU_FIGURE)
     if worker is not None:
         out["engine_workers"] = worker
+    return out
+
+
+def gc_figures(text: str) -> dict[str, float]:
+    """The gateway's garbage collector, from /metrics: its longest pause in the last minute and its
+    pauses so far (count and seconds), when the gateway times them (`cadence serve`)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == GC_LONGEST_METRIC:
+            out["gateway_gc_pause_longest_ms"] = round(1000 * float(value), 1)
+        elif name.startswith(GC_PAUSE_METRIC + "_sum{"):
+            out["gateway_gc_pause_total_s"] = round(out.get("gateway_gc_pause_total_s", 0.0) + float(value), 3)
+        elif name.startswith(GC_PAUSE_METRIC + "_count{"):
+            out["gateway_gc_pauses"] = out.get("gateway_gc_pauses", 0.0) + float(value)
     return out
 
 

@@ -16,6 +16,7 @@ from engine.api import EngineLoad
 
 _TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+_GC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -49,7 +50,16 @@ class GatewayMetrics:
                                    ["name"], registry=r)
         self.gpu_memory_peak = Gauge("cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine",
                                      registry=r)
+        self.gc_pause = Histogram(
+            "cadence_gc_pause_seconds", "Garbage collector pauses of the gateway's process, by generation",
+            ["generation"], buckets=_GC_BUCKETS, registry=r,
+        )
+        self.gc_pause_longest = Gauge("cadence_gc_pause_longest_seconds",
+                                      "The gateway's longest garbage collector pause in the last minute", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(generation=str(generation)).observe(seconds)
 
     def observe_engine(self, load: EngineLoad) -> None:
         self.engine_active.set(load.active)

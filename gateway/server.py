@@ -18,6 +18,7 @@ from engine.api import Engine
 from gateway.app import Gateway, create_app
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.gc_pauses import GcPauses
 from gateway.session import FRAME_WRITER
 
 log = logging.getLogger("cadence.server")
@@ -142,17 +143,24 @@ class GatewayServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self.freeze_gc = freeze_gc
+        self.gc_pauses: GcPauses | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.freeze_gc and self.started:
             settle_garbage_collector()
+            # the collector's pauses, timed from now on (a hook of the whole process: served only)
+            metrics = self.gateway.metrics
+            self.gc_pauses = GcPauses(metrics.observe_gc_pause).install()
+            metrics.gc_pause_longest.set_function(self.gc_pauses.longest_s)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()  # stop accepting
         await self.gateway.close_sessions()
         await super().shutdown(sockets)
+        if self.gc_pauses is not None:
+            self.gc_pauses.uninstall()
 
 
 def build_server(

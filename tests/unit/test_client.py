@@ -249,3 +249,18 @@ def test_cpu_shares_come_from_the_gateways_process_and_its_engine_workers() -> N
     end = {"gateway": start["gateway"] + 1.5, "engine_workers": 18.5}
     assert cpu_shares(start, end, 2.0) == {"gateway_cpu_pct": 75.0, "engine_workers_cpu_pct": 300.0}
     assert cpu_shares({}, end, 2.0) == {}  # nothing read at the window's start: no figure
+
+
+def test_the_gateways_collector_pauses_are_read_from_its_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from clients.loadtest import gc_figures
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    assert gc_figures(generate_latest(metrics.registry).decode()) == {"gateway_gc_pause_longest_ms": 0.0}
+    metrics.observe_gc_pause(0, 0.002)
+    metrics.observe_gc_pause(2, 0.25)
+    metrics.gc_pause_longest.set(0.25)
+    assert gc_figures(generate_latest(metrics.registry).decode()) == {
+        "gateway_gc_pause_longest_ms": 250.0, "gateway_gc_pause_total_s": 0.252, "gateway_gc_pauses": 2.0}
