@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import os
 import socket
 from collections.abc import Iterable
 from typing import Any, Final
@@ -128,12 +129,21 @@ class LenientTextProtocol(WebSocketsSansIOProtocol):
             scope["extensions"][FRAME_WRITER] = DirectFrameWriter(self)
 
 
+# net container allocations between two young collections (CPython: 700). Streams make and drop
+# thousands a second (packets, messages): at 700 the collector ran ~20 times a second at 300 null-
+# engine streams, and what it promoted brought full collections of ~100 ms; at 7 000 most of those
+# objects are gone before it runs (deploy/bench/README.md, "CPU, tenth session")
+YOUNG_GC_THRESHOLD = int(os.environ.get("CADENCE_GC_YOUNG_THRESHOLD", "7000"))
+
+
 def settle_garbage_collector() -> None:
     """Once started: what is alive now (modules, app, engine) moves where the cyclic collector never
     looks again, so its collections while streams run scan only what the streams made (a full one
-    took over 100 ms at 400 real-time streams without this: every packet in flight waited)."""
+    took over 100 ms at 400 real-time streams without this: every packet in flight waited), and
+    the youngest generation is collected less often."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
 class GatewayServer(uvicorn.Server):

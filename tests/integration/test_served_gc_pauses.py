@@ -38,3 +38,18 @@ def test_the_served_gateway_reports_its_collector_pauses() -> None:
     young = float(lines['cadence_gc_pause_seconds_count{generation="0"}'])
     assert young > 0  # three syntheses made garbage enough for young collections, each one timed
     assert 0 < float(lines['cadence_gc_pause_seconds_sum{generation="0"}']) < young  # each under a second
+
+
+def test_settling_the_collector_freezes_start_up_and_raises_the_young_threshold() -> None:
+    """In a process of its own (the collector's state is the whole process's): the default young
+    threshold, then CADENCE_GC_YOUNG_THRESHOLD's."""
+    probe = ("import gc; from gateway.server import settle_garbage_collector; settle_garbage_collector(); "
+             "print(gc.get_threshold()[0], gc.get_freeze_count() > 1000)")
+    for env_value, expected in ((None, "7000 True"), ("1500", "1500 True")):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("CADENCE_GC_YOUNG_THRESHOLD", None)
+        if env_value is not None:
+            env["CADENCE_GC_YOUNG_THRESHOLD"] = env_value
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                             check=True, timeout=60).stdout.strip()
+        assert out == expected
