@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_served_gateway_reports_its_collector_pauses() -> None:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a low young threshold: the few syntheses below make collections certain
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CADENCE_GC_YOUNG_THRESHOLD": "100"}
     env.pop("CADENCE_API_KEYS", None)
     server = subprocess.Popen(
         [sys.executable, "-m", "cadence.cli", "serve", "--engine", "espeak", "--port", str(port),
