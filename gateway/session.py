@@ -160,6 +160,10 @@ class _CloseItem:
 _AudioItem = tuple[int, Packet | str]
 
 
+def _ignore_news() -> None:
+    pass
+
+
 class SendQueue:
     """Control messages ahead of audio; audio bounded by high/low watermarks (in items).
     `on_news` (if given) is called whenever something is added or purged; without it, `wait()`
@@ -210,6 +214,12 @@ class SendQueue:
         """Audio was taken off the lane (by pop_audio, or popped directly): producers may resume."""
         if len(self.audio) <= self.low:
             self.writable.set()
+
+    def detach(self) -> None:
+        """No more news: `on_news` (a callback holding the session) is dropped, which ends the
+        session <-> queue reference cycle, so a closed session is freed at once rather than left
+        for a full collection (whose pause every stream in the process waits through)."""
+        self._news = _ignore_news
 
     async def wait(self, at_most_s: float | None = None) -> None:
         """Until something is added or purged (or `at_most_s` passes); only without `on_news`."""
@@ -283,6 +293,7 @@ class Session:
             self.metrics.active_sessions.dec()
             self.metrics.active_utterances.dec(self._counted_active)
             self._counted_active = 0
+            self.queue.detach()
             self._done.set()
 
     async def shutdown(self, drain_timeout_s: float) -> None:
