@@ -40,6 +40,9 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 18   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; every GPU test, then the sweep with a wider
 #                                                         early-frame margin (safety_margin_s=0.4) on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 19   # two GPUs: the default sweep (py-spy at C=512) on
+#                                                         one; every GPU test, then the sweep with the
+#                                                         former early-frame margin (safety_margin_s=0.1)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -226,5 +229,16 @@ case "${1:-}" in
        run 380 e2e-margin bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18"; exit 2 ;;
+  19)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test, then
+       # the sweep with the former early-frame margin of 0.1 s (the default is 0.4 s since part 18)
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1
+     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+     SERVE_ARGS="--scheduler safety_margin_s=0.1" PORT=8766 TAG=1.7b-margin-0.1 CONC="${CONC_B:-384,512}" \
+       run 380 e2e-margin bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19"; exit 2 ;;
 esac
