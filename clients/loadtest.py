@@ -225,11 +225,13 @@ def run_point(
     window_start = shared.start_at.value + args.warmup_seconds
     url = args.metrics_url or metrics_url(args.url)
     cpu_at_start: dict[str, float] | None = None
+    gc_at_start: dict[str, float] = {}
     while True:
         now = time.perf_counter()
         phase = "warming up" if now < window_start else "measuring"
         if cpu_at_start is None and now >= window_start:
-            cpu_at_start = cpu_seconds(scrape(url))
+            at_start = scrape(url)
+            cpu_at_start, gc_at_start = cpu_seconds(at_start), gc_counts(at_start)
         progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: {phase}")
         long_enough = now >= window_start + args.min_seconds and shared.measured.value >= target
         if long_enough or now >= window_start + args.max_seconds or not any(w.is_alive() for w in workers):
@@ -257,7 +259,7 @@ def run_point(
     gpu = gpu_memory_gb(url)
     point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
     point.update(cpu)
-    point.update(gc_figures(text))
+    point.update(gc_figures(gc_at_start, gc_counts(text)))
     if figures:
         point["engine_figures"] = figures
     return point
@@ -306,18 +308,39 @@ def cpu_seconds(text: str) -> dict[str, float]:
     return out
 
 
-def gc_figures(text: str) -> dict[str, float]:
-    """The gateway's garbage collector, from /metrics: its longest pause in the last minute and its
-    pauses so far (count and seconds), when the gateway times them (`cadence serve`)."""
+def gc_counts(text: str) -> dict[str, float]:
+    """The gateway's collector pauses so far, from /metrics: `count_G` and `seconds_G` per generation
+    G, and `longest_s` (the longest in the last minute), when the gateway times them (`cadence serve`)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         if name == GC_LONGEST_METRIC:
-            out["gateway_gc_pause_longest_ms"] = round(1000 * float(value), 1)
-        elif name.startswith(GC_PAUSE_METRIC + "_sum{"):
-            out["gateway_gc_pause_total_s"] = round(out.get("gateway_gc_pause_total_s", 0.0) + float(value), 3)
-        elif name.startswith(GC_PAUSE_METRIC + "_count{"):
-            out["gateway_gc_pauses"] = out.get("gateway_gc_pauses", 0.0) + float(value)
+            out["longest_s"] = float(value)
+        elif name.startswith((GC_PAUSE_METRIC + "_sum{", GC_PAUSE_METRIC + "_count{")):
+            generation = name.partition('generation="')[2].partition('"')[0]
+            kind = "seconds" if name.startswith(GC_PAUSE_METRIC + "_sum{") else "count"
+            out[f"{kind}_{generation}"] = float(value)
+    return out
+
+
+def gc_figures(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """The collector over a point's window (two `gc_counts`): pauses and seconds paused, in all and
+    per generation, and the longest pause in the minute before the window's end."""
+    if "longest_s" not in end:
+        return {}
+    out = {"gateway_gc_pause_longest_ms": round(1000 * end["longest_s"], 1),
+           "gateway_gc_pauses": 0.0, "gateway_gc_pause_total_s": 0.0}
+    for key in sorted(end):
+        kind, _, generation = key.partition("_")
+        if kind not in ("count", "seconds"):
+            continue
+        delta = end[key] - start.get(key, 0.0)
+        if kind == "count":
+            out[f"gateway_gc_pauses_gen{generation}"] = delta
+            out["gateway_gc_pauses"] += delta
+        else:
+            out[f"gateway_gc_pause_s_gen{generation}"] = round(delta, 3)
+            out["gateway_gc_pause_total_s"] = round(out["gateway_gc_pause_total_s"] + delta, 3)
     return out
 
 

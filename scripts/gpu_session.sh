@@ -43,6 +43,9 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 19   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; every GPU test, then the sweep with the
 #                                                         former early-frame margin (safety_margin_s=0.1)
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 20   # two GPUs: the default sweep on one; the same with
+#                                                         full collections ten times rarer in the gateway
+#                                                         (CADENCE_GC_FULL_AFTER=100) on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -240,5 +243,13 @@ case "${1:-}" in
        run 380 e2e-margin bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19"; exit 2 ;;
+  20)  # two GPUs, one build, no profiler: the default sweep on GPU 0; on GPU 1 the same with the
+       # gateway's full collections ten times rarer (each paused every stream for 90-170 ms at 512)
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 560 e2e bash scripts/gpu_bench_e2e.sh) &
+    (export CUDA_VISIBLE_DEVICES=1 CADENCE_GC_FULL_AFTER=100
+     PORT=8766 TAG=1.7b-full-gc-100 CONC="${CONC:-1,256,384,512}" run 560 e2e-full-gc bash scripts/gpu_bench_e2e.sh) &
+    wait
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20"; exit 2 ;;
 esac

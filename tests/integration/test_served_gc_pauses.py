@@ -41,16 +41,17 @@ def test_the_served_gateway_reports_its_collector_pauses() -> None:
     assert 0 < float(lines['cadence_gc_pause_seconds_sum{generation="0"}']) < young  # each under a second
 
 
-def test_settling_the_collector_freezes_start_up_and_raises_the_young_threshold() -> None:
-    """In a process of its own (the collector's state is the whole process's): the default young
-    threshold, then CADENCE_GC_YOUNG_THRESHOLD's."""
+def test_settling_the_collector_freezes_start_up_and_sets_its_thresholds() -> None:
+    """In a process of its own (the collector's state is the whole process's): the default young and
+    full thresholds, then CADENCE_GC_YOUNG_THRESHOLD's and CADENCE_GC_FULL_AFTER's."""
     probe = ("import gc; from gateway.server import settle_garbage_collector; settle_garbage_collector(); "
-             "print(gc.get_threshold()[0], gc.get_freeze_count() > 1000)")
-    for env_value, expected in ((None, "7000 True"), ("1500", "1500 True")):
+             "t = gc.get_threshold(); print(t[0], t[2], gc.get_freeze_count() > 1000)")
+    for young, full, expected in ((None, None, "7000 10 True"), ("1500", "40", "1500 40 True")):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        env.pop("CADENCE_GC_YOUNG_THRESHOLD", None)
-        if env_value is not None:
-            env["CADENCE_GC_YOUNG_THRESHOLD"] = env_value
+        for name, value in (("CADENCE_GC_YOUNG_THRESHOLD", young), ("CADENCE_GC_FULL_AFTER", full)):
+            env.pop(name, None)
+            if value is not None:
+                env[name] = value
         out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
                              check=True, timeout=60).stdout.strip()
         assert out == expected

@@ -254,13 +254,19 @@ def test_cpu_shares_come_from_the_gateways_process_and_its_engine_workers() -> N
 def test_the_gateways_collector_pauses_are_read_from_its_metrics() -> None:
     from prometheus_client import generate_latest
 
-    from clients.loadtest import gc_figures
+    from clients.loadtest import gc_counts, gc_figures
     from gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    assert gc_figures(generate_latest(metrics.registry).decode()) == {"gateway_gc_pause_longest_ms": 0.0}
-    metrics.observe_gc_pause(0, 0.002)
+    assert gc_figures({}, gc_counts("process_cpu_seconds_total 1.0")) == {}  # not timed: no figure
+    metrics.observe_gc_pause(0, 0.002)  # before the window
+    start = gc_counts(generate_latest(metrics.registry).decode())
+    assert start == {"count_0": 1.0, "seconds_0": 0.002, "longest_s": 0.0}
+    metrics.observe_gc_pause(0, 0.003)
+    metrics.observe_gc_pause(0, 0.001)
     metrics.observe_gc_pause(2, 0.25)
     metrics.gc_pause_longest.set(0.25)
-    assert gc_figures(generate_latest(metrics.registry).decode()) == {
-        "gateway_gc_pause_longest_ms": 250.0, "gateway_gc_pause_total_s": 0.252, "gateway_gc_pauses": 2.0}
+    assert gc_figures(start, gc_counts(generate_latest(metrics.registry).decode())) == {
+        "gateway_gc_pause_longest_ms": 250.0, "gateway_gc_pauses": 3.0, "gateway_gc_pause_total_s": 0.254,
+        "gateway_gc_pauses_gen0": 2.0, "gateway_gc_pause_s_gen0": 0.004,
+        "gateway_gc_pauses_gen2": 1.0, "gateway_gc_pause_s_gen2": 0.25}
