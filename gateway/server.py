@@ -143,9 +143,11 @@ class LenientTextProtocol(WebSocketsSansIOProtocol):
 # objects are gone before it runs (deploy/bench/README.md, "CPU, tenth session")
 YOUNG_GC_THRESHOLD = int(os.environ.get("CADENCE_GC_YOUNG_THRESHOLD", "7000"))
 # middle-generation collections before a full one (CPython: 10). A full collection walks every live
-# object: at 512 streams it paused the gateway for 90-170 ms, past the lead of a stream's first
-# chunks. A session's objects are freed by reference counting (no cycles), so little is left for it
-FULL_GC_AFTER = int(os.environ.get("CADENCE_GC_FULL_AFTER", "10"))
+# object: at 512 streams on the H200 one paused the gateway for 194 ms, past the lead of a stream's
+# first chunks, and 0.78 % of streams ran dry; at 100 none came in the run and none did. A session's
+# objects are freed by reference counting (no cycles), so little is left for it to find
+# (deploy/bench/README.md, "H200, eleventh session")
+FULL_GC_AFTER = int(os.environ.get("CADENCE_GC_FULL_AFTER", "100"))
 
 
 def settle_garbage_collector() -> None:

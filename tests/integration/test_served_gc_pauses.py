@@ -46,7 +46,7 @@ def test_settling_the_collector_freezes_start_up_and_sets_its_thresholds() -> No
     full thresholds, then CADENCE_GC_YOUNG_THRESHOLD's and CADENCE_GC_FULL_AFTER's."""
     probe = ("import gc; from gateway.server import settle_garbage_collector; settle_garbage_collector(); "
              "t = gc.get_threshold(); print(t[0], t[2], gc.get_freeze_count() > 1000)")
-    for young, full, expected in ((None, None, "7000 10 True"), ("1500", "40", "1500 40 True")):
+    for young, full, expected in ((None, None, "7000 100 True"), ("1500", "40", "1500 40 True")):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         for name, value in (("CADENCE_GC_YOUNG_THRESHOLD", young), ("CADENCE_GC_FULL_AFTER", full)):
             env.pop(name, None)
