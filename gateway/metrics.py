@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -11,12 +13,14 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine.api import EngineLoad
+from gateway.gc_pauses import BUCKETS_S, GcPauses
 
 _TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
-_GC_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class GatewayMetrics:
@@ -50,16 +54,12 @@ class GatewayMetrics:
                                    ["name"], registry=r)
         self.gpu_memory_peak = Gauge("cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine",
                                      registry=r)
-        self.gc_pause = Histogram(
-            "cadence_gc_pause_seconds", "Garbage collector pauses of the gateway's process, by generation",
-            ["generation"], buckets=_GC_BUCKETS, registry=r,
-        )
-        self.gc_pause_longest = Gauge("cadence_gc_pause_longest_seconds",
-                                      "The gateway's longest garbage collector pause in the last minute", registry=r)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 
-    def observe_gc_pause(self, generation: int, seconds: float) -> None:
-        self.gc_pause.labels(generation=str(generation)).observe(seconds)
+    def watch_gc(self, pauses: GcPauses) -> None:
+        """Expose `pauses` (read at each scrape): cadence_gc_pause_seconds by generation and
+        cadence_gc_pause_longest_seconds."""
+        self.registry.register(_GcPauseCollector(pauses))
 
     def observe_engine(self, load: EngineLoad) -> None:
         self.engine_active.set(load.active)
@@ -78,3 +78,23 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _GcPauseCollector(Collector):
+    """Read at scrape time: the pauses are counted by the collector's own hook, which must take no
+    lock (gateway/gc_pauses.py), so they are not prometheus_client metrics observed from it."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        histogram = HistogramMetricFamily("cadence_gc_pause_seconds",
+                                          "Garbage collector pauses of the gateway's process, by generation",
+                                          labels=["generation"])
+        bounds = [*(repr(b) for b in BUCKETS_S), "+Inf"]
+        for generation, cumulative, total in self.pauses.histograms():
+            histogram.add_metric([str(generation)], list(zip(bounds, cumulative, strict=True)), total)
+        yield histogram
+        yield GaugeMetricFamily("cadence_gc_pause_longest_seconds",
+                                "The gateway's longest garbage collector pause in the last minute",
+                                value=self.pauses.longest_s())

@@ -175,9 +175,8 @@ class GatewayServer(uvicorn.Server):
         if self.freeze_gc and self.started:
             settle_garbage_collector()
             # the collector's pauses, timed from now on (a hook of the whole process: served only)
-            metrics = self.gateway.metrics
-            self.gc_pauses = GcPauses(metrics.observe_gc_pause).install()
-            metrics.gc_pause_longest.set_function(self.gc_pauses.longest_s)
+            self.gc_pauses = GcPauses().install()
+            self.gateway.metrics.watch_gc(self.gc_pauses)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:

@@ -255,17 +255,26 @@ def test_the_gateways_collector_pauses_are_read_from_its_metrics() -> None:
     from prometheus_client import generate_latest
 
     from clients.loadtest import gc_counts, gc_figures
+    from gateway.gc_pauses import GcPauses
     from gateway.metrics import GatewayMetrics
 
+    now = [0.0]
+    pauses = GcPauses(clock=lambda: now[0])
     metrics = GatewayMetrics()
-    assert gc_figures({}, gc_counts("process_cpu_seconds_total 1.0")) == {}  # not timed: no figure
-    metrics.observe_gc_pause(0, 0.002)  # before the window
+
+    def pause(generation: int, seconds: float) -> None:
+        pauses._callback("start", {"generation": generation})
+        now[0] += seconds
+        pauses._callback("stop", {"generation": generation})
+
+    assert gc_figures({}, gc_counts(generate_latest(metrics.registry).decode())) == {}  # not timed
+    metrics.watch_gc(pauses)
+    pause(0, 0.002)  # before the window
     start = gc_counts(generate_latest(metrics.registry).decode())
-    assert start == {"count_0": 1.0, "seconds_0": 0.002, "longest_s": 0.0}
-    metrics.observe_gc_pause(0, 0.003)
-    metrics.observe_gc_pause(0, 0.001)
-    metrics.observe_gc_pause(2, 0.25)
-    metrics.gc_pause_longest.set(0.25)
+    assert start == {"count_0": 1.0, "seconds_0": 0.002, "longest_s": 0.002}
+    pause(0, 0.003)
+    pause(0, 0.001)
+    pause(2, 0.25)
     assert gc_figures(start, gc_counts(generate_latest(metrics.registry).decode())) == {
         "gateway_gc_pause_longest_ms": 250.0, "gateway_gc_pauses": 3.0, "gateway_gc_pause_total_s": 0.254,
         "gateway_gc_pauses_gen0": 2.0, "gateway_gc_pause_s_gen0": 0.004,
