@@ -63,6 +63,16 @@ sweep_setup() {  # the checkpoint, the reference's earlier result, the sweep's s
   [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
   export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
 }
+beside_default() {  # beside_default NAME CONC [SERVE_ARGS]: the default sweep (py-spy at C=512) on GPU 0;
+  # on GPU 1 every GPU test, then a sweep at CONC (or $CONC_B) with SERVE_ARGS, its files tagged 1.7b-NAME
+  POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+  (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+     CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
+  (export CUDA_VISIBLE_DEVICES=1
+   run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
+   SERVE_ARGS="${3:-}" PORT=8766 TAG="1.7b-$1" CONC="${CONC_B:-$2}" run 380 "e2e-$1" bash scripts/gpu_bench_e2e.sh) &
+  wait
+}
 case "${1:-}" in
   1)
     run 120 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
@@ -201,47 +211,20 @@ case "${1:-}" in
     ;;
   16)  # two GPUs, one build: the default sweep on GPU 0 (its server's stacks sampled at C=512); on GPU 1
        # every GPU test, then the same server past 512 streams
-    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
-       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     PORT=8766 TAG=1.7b-past-512 CONC="${CONC_B:-576,640}" run 380 e2e-past-512 bash scripts/gpu_bench_e2e.sh) &
-    wait
+    beside_default past-512 576,640
     ;;
   17)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test,
        # then the same sweep with new text's prompts built at each step's start instead of on a thread
-    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
-       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     SERVE_ARGS="--prepare-on-step" PORT=8766 TAG=1.7b-prepare-on-step CONC="${CONC_B:-256,512}" \
-       run 380 e2e-prepare-on-step bash scripts/gpu_bench_e2e.sh) &
-    wait
+    beside_default prepare-on-step 256,512 --prepare-on-step
     ;;
   18)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test, then
        # the sweep with frames decoded in their own step while the listener has under 0.4 s left
        # (simulated: streams underrunning at 512 1.52 -> 0.68 %; deploy/bench/sim-tenth-underrun-512.txt)
-    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
-       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     SERVE_ARGS="--scheduler safety_margin_s=0.4" PORT=8766 TAG=1.7b-margin-0.4 CONC="${CONC_B:-256,512}" \
-       run 380 e2e-margin bash scripts/gpu_bench_e2e.sh) &
-    wait
+    beside_default margin-0.4 256,512 "--scheduler safety_margin_s=0.4"
     ;;
   19)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test, then
        # the sweep with the former early-frame margin of 0.1 s (the default is 0.4 s since part 18)
-    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
-       CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-     SERVE_ARGS="--scheduler safety_margin_s=0.1" PORT=8766 TAG=1.7b-margin-0.1 CONC="${CONC_B:-384,512}" \
-       run 380 e2e-margin bash scripts/gpu_bench_e2e.sh) &
-    wait
+    beside_default margin-0.1 384,512 "--scheduler safety_margin_s=0.1"
     ;;
   20)  # two GPUs, one build, no profiler: the default sweep on GPU 0; on GPU 1 the same with the
        # gateway's full collections ten times rarer (each paused every stream for 90-170 ms at 512)
