@@ -72,9 +72,10 @@ class SchedulerConfig:
     eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
     ttfa_target_s: float = 0.025
     # emit a short chunk (or decode a frame in its own step) when the buffer would run dry sooner
-    # than this. 0.4 s against 0.1 on the H200 at 512 streams: streams underrunning 7.4 -> 0 % at
-    # 2.7 % fewer chars/s (one run each, side by side; simulated 1.52 -> 0.68 %; deploy/bench/README.md,
-    # "H200, eleventh session")
+    # than this. Against 0.1 s on the H200 at 512 streams, side by side: streams underrunning 0.32
+    # against 0.38 % once the gateway's long collector pauses were gone, at 2-3 % fewer chars/s;
+    # simulated with pauses after the engine, 1.52 -> 0.68 % (deploy/bench/README.md, "H200,
+    # eleventh session")
     safety_margin_s: float = 0.4
     codec_delivery_steps: int = 0  # steps between a chunk's launch and its audio (deferring runner)
     # a deferring runner collects a short chunk in its own step when its listener would run dry
