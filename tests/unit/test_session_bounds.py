@@ -109,7 +109,7 @@ async def test_watchdog_times_blocked_sends_not_idle_writers() -> None:
     session = Session(socket, _Engine(), config, GatewayMetrics())  # type: ignore[arg-type]
     now = asyncio.get_running_loop().time()
     # audio queued after a long idle stretch (engine queueing, a starved event loop): not a stall
-    session.queue.put_audio(1, _packet())
+    session.queue.put_audio(_packet())
     assert session.send_blocked_for(now + 60) == 0.0 and session.too_slow(now + 60) is None
     # a send that the client does not take for longer than the timeout is one
     send = asyncio.create_task(session._send(b"frame"))
