@@ -46,6 +46,9 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 20   # two GPUs: the default sweep on one; the same with
 #                                                         full collections ten times rarer in the gateway
 #                                                         (CADENCE_GC_FULL_AFTER=100) on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 21   # two GPUs, no profiler: the default sweep on one;
+#                                                         every GPU test, then the default again at 448
+#                                                         and 512 streams on the other
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -63,12 +66,13 @@ sweep_setup() {  # the checkpoint, the reference's earlier result, the sweep's s
   [ -f deploy/bench/h200-reference-1.7b.json ] && cp deploy/bench/h200-reference-1.7b.json "$OUTDIR/reference-1.7b.json"
   export SKIP_REF=1 OUTDIR="$OUTDIR" POINT_SECONDS="${POINT_SECONDS:-12}"
 }
-beside_default() {  # beside_default NAME CONC [SERVE_ARGS]: the default sweep (py-spy at C=512) on GPU 0;
+beside_default() {  # beside_default NAME CONC [SERVE_ARGS]: the default sweep (py-spy at C=512 unless
+  # PYSPY_AT is set empty) on GPU 0;
   # on GPU 1 every GPU test, then a sweep at CONC (or $CONC_B) with SERVE_ARGS, its files tagged 1.7b-NAME
   POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-  (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT:-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
+  (export CUDA_VISIBLE_DEVICES=0; PYSPY_AT="${PYSPY_AT-85}" PYSPY_FOR="${PYSPY_FOR:-10}" \
      CONC="${CONC:-1,256,384,512}" run 540 e2e bash scripts/gpu_bench_e2e.sh) &
-  (export CUDA_VISIBLE_DEVICES=1
+  (export CUDA_VISIBLE_DEVICES=1 PYSPY_AT=
    run 150 gpu-tests $PY -m pytest tests/gpu -q -p no:cacheprovider
    SERVE_ARGS="${3:-}" PORT=8766 TAG="1.7b-$1" CONC="${CONC_B:-$2}" run 380 "e2e-$1" bash scripts/gpu_bench_e2e.sh) &
   wait
@@ -234,5 +238,9 @@ case "${1:-}" in
      PORT=8766 TAG=1.7b-full-gc-100 CONC="${CONC:-1,256,384,512}" run 560 e2e-full-gc bash scripts/gpu_bench_e2e.sh) &
     wait
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20"; exit 2 ;;
+  21)  # two GPUs, one build, no profiler: the default sweep on GPU 0; on GPU 1 every GPU test, then
+       # a second sample of the default where the targets are set (448 and 512 streams)
+    PYSPY_AT= beside_default again 448,512
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21"; exit 2 ;;
 esac
