@@ -9,6 +9,10 @@ Phase: by default every stream is on one 20 ms grid, so all streams' chunks of a
 burst (the worst case for the gateway's jitter, and what a batched engine step looks like).
 `phase="stream"` starts each stream's clock when its text comes instead, so streams opened at
 different moments produce their chunks at different moments, like independent real-time sources.
+
+Ahead of real time: `speed` > 1 produces `chunk_ms` of audio every `chunk_ms / speed`, the way a
+real engine with an RTF below 1 runs ahead (Qwen3-TTS: 80 ms codec frames at RTF 0.5 is
+`chunk_ms=80, speed=2`); the gateway's realtime pacing then releases the audio on its own clock.
 """
 
 from __future__ import annotations
@@ -38,20 +42,14 @@ from engine.api import (
 from engine.bridge import LoopChunkChannel
 
 SAMPLE_RATE = 24_000
-CHUNK_SAMPLES = 480  # 20 ms
-TICK_S = CHUNK_SAMPLES / SAMPLE_RATE
-# a timer may fire this much early (the loop clock's granularity: 1 ms under uvloop); on the shared
-# grid, anything within half a tick counts as the tick
-_SLACK_S = {"stream": 0.001, "shared": TICK_S / 2}
+CHUNK_SAMPLES = 480  # 20 ms, the default chunk
+TICK_S = CHUNK_SAMPLES / SAMPLE_RATE  # the default tick: one chunk in real time
+_STREAM_SLACK_S = 0.001  # a timer may fire this much early (the loop clock's granularity under uvloop)
 Phase = Literal["stream", "shared"]
 SAMPLES_PER_FRAME = 1_920
 LATIN_CHARS_PER_S = 14.0
 CJK_CHARS_PER_S = 4.5
-# 200 Hz divides 20 ms into whole periods, so one chunk serves every stream at every tick
-_TONE: npt.NDArray[np.float32] = (
-    0.1 * np.sin(2 * np.pi * 200 * np.arange(CHUNK_SAMPLES) / SAMPLE_RATE)
-).astype(np.float32)
-_TONE.flags.writeable = False
+TONE_HZ = 200  # divides 20 ms into whole periods, so one chunk serves every stream at every tick
 _WORD = re.compile(r"\S+")
 
 
@@ -99,7 +97,9 @@ class NullStream:
         self._sent = 0
         self._words: list[WordTiming] = []  # planned, not yet sent
         self._text_closed = False
-        # the clock: chunk `_tick` is due at `_base + _tick * TICK_S`; None while starved of text
+        self._tone = engine.tone
+        self._tick_s = engine.tick_s
+        # the clock: chunk `_tick` is due at `_base + _tick * _tick_s`; None while starved of text
         # (it restarts in real time when text comes)
         self._base = 0.0
         self._tick: int | None = None
@@ -132,22 +132,23 @@ class NullStream:
     def due(self) -> float:
         """Loop time of the next chunk (only while the clock runs)."""
         assert self._tick is not None
-        return self._base + self._tick * TICK_S
+        return self._base + self._tick * self._tick_s
 
     def tick(self, horizon: float) -> bool:
         """Emit every chunk that is due by `horizon`; True when the clock runs on (due again)."""
         limit = self._planned if self._forced is None else min(self._planned, self._forced)
         assert self._tick is not None
-        while self._sent < limit and self._base + self._tick * TICK_S <= horizon:
+        tone, tick_s = self._tone, self._tick_s
+        while self._sent < limit and self._base + self._tick * tick_s <= horizon:
             count = limit - self._sent
-            self._emit(_TONE if count >= CHUNK_SAMPLES else _TONE[:count], limit)
+            self._emit(tone if count >= len(tone) else tone[:count], limit)
             self._tick += 1
         if self._text_closed and self._sent >= limit:
-            self._channel.put(AudioChunk(self.request_id, _TONE[:0], self._sent, final=True))
+            self._channel.put(AudioChunk(self.request_id, tone[:0], self._sent, final=True))
             self.done = True
             self._engine._streams.pop(self, None)
             return False
-        if self._sent >= limit and self._base + self._tick * TICK_S <= horizon:
+        if self._sent >= limit and self._base + self._tick * tick_s <= horizon:
             self._tick = None  # starved: restart in real time when text comes
             return False
         return True
@@ -176,7 +177,18 @@ def _clip(word: WordTiming, limit: int) -> WordTiming:
 class NullEngine:
     """engine.api.Engine that costs nothing but the gateway's own work."""
 
-    def __init__(self, max_streams: int = 100_000, queue_limit: int = 0, phase: Phase = "shared") -> None:
+    def __init__(
+        self,
+        max_streams: int = 100_000,
+        queue_limit: int = 0,
+        phase: Phase = "shared",
+        chunk_ms: int = 20,
+        speed: float = 1.0,
+    ) -> None:
+        if chunk_ms <= 0 or chunk_ms % 20:
+            raise ValueError("chunk_ms must be a positive multiple of 20")
+        if speed <= 0:
+            raise ValueError("speed must be positive")
         self.info = EngineInfo(
             name="null",
             model="constant tone",
@@ -188,7 +200,14 @@ class NullEngine:
         self.max_streams = max_streams
         self.queue_limit = queue_limit
         self.phase: Phase = phase
-        self._slack = _SLACK_S[phase]
+        samples = chunk_ms * SAMPLE_RATE // 1000
+        self.tone: npt.NDArray[np.float32] = (
+            0.1 * np.sin(2 * np.pi * TONE_HZ * np.arange(samples) / SAMPLE_RATE)
+        ).astype(np.float32)
+        self.tone.flags.writeable = False
+        self.tick_s = samples / SAMPLE_RATE / speed  # one chunk is made every tick
+        # on the shared grid, anything within half a tick counts as the tick
+        self._slack = self.tick_s / 2 if phase == "shared" else _STREAM_SLACK_S
         self._streams: dict[NullStream, None] = {}  # open, in open order
         self._order = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,7 +268,7 @@ class NullEngine:
         if stream._tick is None:
             now = self._loop.time()
             if self.phase == "shared":
-                stream._base, stream._tick = self._epoch, math.ceil((now - self._epoch) / TICK_S - 1e-9)
+                stream._base, stream._tick = self._epoch, math.ceil((now - self._epoch) / self.tick_s - 1e-9)
             else:
                 stream._base, stream._tick = now, 0
         self._schedule(stream)

@@ -31,6 +31,27 @@ async def run(eng: NullEngine, text: str, **request: object) -> tuple[list[Audio
     return chunks, times
 
 
+async def test_ahead_of_real_time_in_larger_chunks() -> None:
+    """chunk_ms=80, speed=4: 80 ms chunks every 20 ms; the words and the end are unchanged."""
+    eng = NullEngine(chunk_ms=80, speed=4.0)
+    await eng.start()
+    try:
+        chunks, times = await run(eng, "a b c d", forced_frames=4)  # 320 ms of audio
+    finally:
+        await eng.stop()
+    audio = [c for c in chunks if len(c.samples)]
+    assert [len(c.samples) for c in audio] == [1920] * 4
+    assert [c.sample_offset for c in audio] == [0, 1920, 3840, 5760] and chunks[-1].final
+    assert 0.04 < times[-1] - times[0] < 0.15  # 3 intervals of 20 ms, not 240 ms of real time
+    assert [w.text for c in chunks for w in c.words] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("options", [{"chunk_ms": 30}, {"chunk_ms": 0}, {"speed": 0.0}])
+def test_bad_chunk_or_speed_is_refused(options: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        NullEngine(**options)  # type: ignore[arg-type]
+
+
 def test_estimated_words_point_into_client_text() -> None:
     client = "Intro. Hello big world 你好"
     words, length = estimate_words(TextSegment(client[7:], char_start=7), start_sample=100)
