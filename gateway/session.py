@@ -471,9 +471,12 @@ class Session:
         now = self._loop.time()
         protocol = self.protocol
         paced = protocol.pacing == "realtime"
-        if paced:  # _due_at, inlined: a packet may go `lead` before it is due on its stream's clock
+        if paced:  # _due_at, inlined: a packet may go `lead` before it is due on its stream's clock,
+            # judged at the last tick of the grid, so that between ticks only late audio goes (the
+            # tick sends the rest together: one write for every packet it finds due)
             t0s, rate = self._stream_t0, protocol.output.sample_rate
-            horizon = now + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
+            tick = math.floor((now + _CLOCK_SLACK_S) / PACING_TICK_S) * PACING_TICK_S
+            horizon = tick + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
         packet_sent = protocol.packet_sent
         packets = 0
         while True:
