@@ -49,6 +49,8 @@
 #   . scripts/gpu_env.sh && scripts/gpu_session.sh 21   # two GPUs, no profiler: the default sweep on one;
 #                                                         every GPU test, then the default again at 448
 #                                                         and 512 streams on the other
+#   . scripts/gpu_env.sh && scripts/gpu_session.sh 22   # both GPUs behind one gateway (--gpus 2, an engine
+#                                                         worker per GPU): the sweep at 512-1216 streams
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -242,5 +244,10 @@ case "${1:-}" in
        # a second sample of the default where the targets are set (448 and 512 streams)
     PYSPY_AT= beside_default again 448,512
     ;;
-  *) echo "usage: scripts/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21"; exit 2 ;;
+  22)  # both GPUs behind one gateway process: an engine worker per GPU (`cadence serve --gpus 2`, each
+       # worker admitting up to 640 streams), the sweep from one GPU's best point up to two GPUs' worth
+    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
+    SERVE_ARGS="--gpus 2" TAG=1.7b-gpus-2 CONC="${CONC:-512,768,1024,1216}" run 560 e2e-gpus-2 bash scripts/gpu_bench_e2e.sh
+    ;;
+  *) echo "usage: scripts/gpu_session.sh 1|2|...|22"; exit 2 ;;
 esac
