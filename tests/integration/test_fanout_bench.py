@@ -4,12 +4,14 @@ engine ahead of real time, paced by the gateway, every packet comes before its p
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
 from engine.null import NullEngine
-from scripts.bench_fanout import client_frame, lags_of, raw_stream
+from scripts.bench_fanout import client_frame, lags_of, median_level, passes, raw_stream
 from tests.integration.conftest import GatewayFactory
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,3 +64,15 @@ async def test_an_engine_ahead_of_real_time_is_paced_by_the_gateway(gateway_fact
     assert error is None and len(lags) > 50
     assert min(lags) < -0.2  # the realtime lead (300 ms by default): sent ahead of its playout
     assert max(lags) <= 0.01
+
+
+def test_a_level_passes_on_the_median_of_its_runs() -> None:
+    """Lag and first audio are each the median of the runs: a level whose median-lag run started
+    its streams promptly still fails when most runs did not."""
+    runs = [{"lag_p99_ms": lag, "first_audio_p99_ms": first, "gateway_cpu_pct": 50.0, "errors": 0}
+            for lag, first in ((5.0, 400.0), (6.0, 60.0), (7.0, 300.0))]
+    level = median_level(runs)
+    assert level["lag_p99_ms"] == 6.0 and level["first_audio_p99_ms"] == 300.0
+    limits = argparse.Namespace(limit_ms=10.0, first_audio_limit_ms=100.0)
+    assert not passes(level, limits)
+    assert passes(median_level([dict(r, first_audio_p99_ms=60.0) for r in runs]), limits)
