@@ -207,7 +207,7 @@ class Packet:
     def deferred(cls, stream: int, seq: int, sample_offset: int, head: bytes, audio: Audio, encoding: Encoding) -> Packet:
         """A packet (not the last) whose payload is encoded from `audio` when first read. `audio` is
         not copied: like the packetiser's pending samples, it must not change after the engine
-        handed it over."""
+        handed it over (`Packetiser._defer_run` makes them the same way, inlined)."""
         packet = cls.__new__(cls)
         packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, sample_offset, 0
         packet.samples, packet._frame = len(audio), None
@@ -260,7 +260,7 @@ class _EncodeBatch(threading.local):
     and those page faults cost more than the arithmetic."""
 
     limit: Final = 2048
-    kept_samples: Final = 1 << 18  # the largest pass encoded in kept buffers (1.5 MB of them)
+    kept_samples: Final = 1 << 20  # the largest pass encoded in kept buffers (6 MB of them)
 
     def __init__(self) -> None:
         self.pending: list[Packet] = []
@@ -272,12 +272,21 @@ class _EncodeBatch(threading.local):
         if len(self.pending) >= self.limit:
             self.flush()
 
+    def add_run(self, packets: list[Packet]) -> None:
+        pending = self.pending
+        pending += packets
+        if len(pending) >= self.limit:
+            self.flush()
+
     def flush(self) -> None:
         pending, self.pending = self.pending, []
         groups: dict[Encoding, list[Packet]] = {}
         for packet in pending:
             if packet._frame is None:
-                groups.setdefault(packet._encoding, []).append(packet)
+                group = groups.get(packet._encoding)
+                if group is None:
+                    group = groups[packet._encoding] = []
+                group.append(packet)
         for encoding, packets in groups.items():
             audio = [p._audio for p in packets]
             if encoding == "pcm_s16le" and _LITTLE_ENDIAN:
@@ -287,7 +296,7 @@ class _EncodeBatch(threading.local):
             width, start = BYTES_PER_SAMPLE[encoding], 0
             for p in packets:
                 end = start + p.samples * width
-                p._frame, p._audio = b"".join((p._head, data[start:end])), _EMPTY
+                p._frame, p._audio = p._head + data[start:end], _EMPTY
                 start = end
 
     def _s16le(self, audio: list[Audio]) -> memoryview:
@@ -345,7 +354,7 @@ class Packetiser:
             count -= 1  # the very last one goes out below, flagged as last
         if count:  # encoded later, together with other streams' packets
             whole = count * size
-            out += [self._defer(pending[i * size : (i + 1) * size]) for i in range(count)]
+            out += self._defer_run(pending, count)
             self._pending = _EMPTY if len(pending) == whole else pending[whole:]
         if final:
             out.append(self._make(memoryview(encode_samples(self._pending, self.format.encoding)),
@@ -357,6 +366,25 @@ class Packetiser:
     @property
     def duration_ms(self) -> int:
         return round(self.samples_out * 1000 / self.format.sample_rate)
+
+    def _defer_run(self, audio: Audio, count: int) -> list[Packet]:
+        """`_defer` of `count` whole packets from the start of `audio`, in one loop (the hot path
+        of every chunk longer than one packet)."""
+        stream, size, encoding, seq, offset = self.stream, self._size, self._encoding, self.packets, self.samples_out
+        run: list[Packet] = []
+        new = Packet.__new__
+        for i in range(count):  # Packet.deferred, inlined
+            packet = new(Packet)
+            packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, offset, 0
+            packet.samples, packet._frame, packet._encoding = size, None, encoding
+            packet._head = _PACK_HEADER(PROTOCOL_VERSION, 0, stream, seq & 0xFFFFFFFF, offset & 0xFFFFFFFF)
+            packet._audio = audio[i * size : (i + 1) * size]
+            run.append(packet)
+            seq += 1
+            offset += size
+        self.packets, self.samples_out = seq, offset
+        _BATCH.add_run(run)
+        return run
 
     def _defer(self, audio: Audio) -> Packet:
         seq, offset = self.packets, self.samples_out

@@ -63,10 +63,10 @@ class SendControl:
 
 @dataclass(slots=True)
 class SendAudio:
-    """A packet, in the audio lane (not frozen: one is made per packet, and frozen costs more)."""
+    """A chunk's packets, in order, for the audio lane (one action per chunk, not per packet)."""
 
     stream: int
-    packet: Packet
+    packets: list[Packet]
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +312,9 @@ class SessionProtocol:
         elif gap < 0:  # overlap with audio already sent: drop the repeated part
             samples = samples[min(-gap, len(samples)):]
         utt.engine_samples += len(samples)
-        out += [SendAudio(utt.stream, p) for p in utt.packetiser.push(samples, final=chunk.final)]
+        packets = utt.packetiser.push(samples, final=chunk.final)
+        if packets:
+            out.append(SendAudio(utt.stream, packets))
         if chunk.final:
             out += self._generated(utt)
         return out
@@ -322,7 +324,7 @@ class SessionProtocol:
         utt = self._active.get(utterance_id)
         if utt is None or utt.status not in _RECEIVING:
             return []
-        out: list[Action] = [SendAudio(utt.stream, p) for p in utt.packetiser.push(np.zeros(0, np.float32), True)]
+        out: list[Action] = [SendAudio(utt.stream, utt.packetiser.push(np.zeros(0, np.float32), True))]
         return out + self._generated(utt)
 
     def stream_failed(self, utterance_id: str, exc: BaseException) -> list[Action]:
@@ -335,6 +337,7 @@ class SessionProtocol:
                 *self._maybe_finish_session()]
 
     def packet_sent(self, stream: int, packet: Packet, now: float) -> list[Action]:
+        """`packet` and every packet of its stream before it went out (told of a run's last alone)."""
         utt = self._streams.get(stream)
         if utt is not None:
             if utt.first_sent_at is None:

@@ -195,8 +195,8 @@ class SendQueue:
         self.control.append(item)
         self._news()
 
-    def put_audio(self, item: Packet) -> None:
-        self.audio.append(item)
+    def put_audio(self, packets: list[Packet]) -> None:
+        self.audio.extend(packets)
         if len(self.audio) >= self.high:
             self.writable.clear()
         self._news()
@@ -478,6 +478,7 @@ class Session:
             tick = math.floor((now + _CLOCK_SLACK_S) / PACING_TICK_S) * PACING_TICK_S
             horizon = tick + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
         packet_sent = protocol.packet_sent
+        latest: dict[int, Packet] = {}
         packets = 0
         while True:
             while control and not isinstance(control[0], _CloseItem):
@@ -505,7 +506,10 @@ class Session:
             packets += 1
             if item.seq == 0 or item.flags:  # a stream's first or last packet: its bookkeeping
                 self._after_packet_sent(stream, item, now)
-            elif actions := packet_sent(stream, item, now):
+            else:  # the others: only the latest of each stream counts (protocol.packet_sent)
+                latest[stream] = item
+        for stream, item in latest.items():
+            if actions := packet_sent(stream, item, now):
                 self._execute(actions)
         self.queue.after_take()
         if frames:
@@ -578,12 +582,10 @@ class Session:
         method of its own: its actions die with it instead of living in `_pull`'s frame until the
         next chunk comes (seconds, with packets waiting in the lane meanwhile)."""
         actions = self.protocol.receive_chunk(utterance_id, chunk)
-        put_audio = self.queue.put_audio
-        for i, action in enumerate(actions):
-            if type(action) is not SendAudio:
-                self._execute(actions[i:])
-                return
-            put_audio(action.packet)
+        if len(actions) == 1 and type(action := actions[0]) is SendAudio:  # the common case: audio alone
+            self.queue.put_audio(action.packets)
+        else:
+            self._execute(actions)
 
     def _stop_all_streams(self) -> None:
         for utterance_id in list(self._streams):
@@ -604,7 +606,7 @@ class Session:
         while pending:
             action = pending.popleft()
             if type(action) is SendAudio:  # the common case first
-                self.queue.put_audio(action.packet)
+                self.queue.put_audio(action.packets)
             elif isinstance(action, SendControl):
                 if action.message["type"] == "error":
                     self.metrics.errors.labels(action.message["code"]).inc()

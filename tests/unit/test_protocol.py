@@ -54,7 +54,7 @@ class Harness:
                 self.control.append(dict(a.message))
                 self.wire.append(dict(a.message))
             elif isinstance(a, SendAudio):
-                self.audio.append((a.stream, a.packet))
+                self.audio += [(a.stream, packet) for packet in a.packets]
             elif isinstance(a, SendTrailer):
                 self.audio.append((a.stream, dict(a.message)))
             elif isinstance(a, Purge):

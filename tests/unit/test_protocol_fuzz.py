@@ -128,10 +128,11 @@ class Harness:
                     assert all(s != utt.stream for s, _ in self.queue)
             elif isinstance(action, SendAudio):
                 assert action.stream not in self.fenced, "audio after the fence"
-                expected = self.next_seq.get(action.stream, 0)
-                assert action.packet.header.seq == expected
-                self.next_seq[action.stream] = expected + 1
-                self.queue.append((action.stream, action.packet))
+                for packet in action.packets:
+                    expected = self.next_seq.get(action.stream, 0)
+                    assert packet.header.seq == expected
+                    self.next_seq[action.stream] = expected + 1
+                    self.queue.append((action.stream, packet))
             elif isinstance(action, SendTrailer):
                 assert action.stream not in self.fenced
                 self.queue.append((action.stream, None))

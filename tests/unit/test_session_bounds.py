@@ -34,8 +34,9 @@ def _serve(p: SessionProtocol, uid: str, chunks: int = 10, size: int = 2400) -> 
     out += p.receive_chunk(uid, AudioChunk(uid, np.zeros(0, np.float32), chunks * size, (), final=True))
     for a in out:
         if isinstance(a, SendAudio):
-            assert a.packet.frame  # the send path reads the frame: deferred payloads get encoded
-            p.packet_sent(a.stream, a.packet, 0.0)
+            for packet in a.packets:
+                assert packet.frame  # the send path reads the frame: deferred payloads get encoded
+                p.packet_sent(a.stream, packet, 0.0)
         elif isinstance(a, SendTrailer):
             p.trailer_sent(a.stream)
     assert p.active_count == 0
@@ -109,7 +110,7 @@ async def test_watchdog_times_blocked_sends_not_idle_writers() -> None:
     session = Session(socket, _Engine(), config, GatewayMetrics())  # type: ignore[arg-type]
     now = asyncio.get_running_loop().time()
     # audio queued after a long idle stretch (engine queueing, a starved event loop): not a stall
-    session.queue.put_audio(_packet())
+    session.queue.put_audio([_packet()])
     assert session.send_blocked_for(now + 60) == 0.0 and session.too_slow(now + 60) is None
     # a send that the client does not take for longer than the timeout is one
     send = asyncio.create_task(session._send(b"frame"))
@@ -131,4 +132,4 @@ def _packet() -> Packet:
     assert actions
     p.open_succeeded("u")
     out = p.receive_chunk("u", AudioChunk("u", np.zeros(480, np.float32), 0, (), final=True))
-    return next(a.packet for a in out if isinstance(a, SendAudio))
+    return next(a.packets[0] for a in out if isinstance(a, SendAudio))
