@@ -61,10 +61,6 @@ from gateway.quotas import Quotas
 log = logging.getLogger("cadence.session")
 
 FRAME_WRITER: Final = "cadence.frame_writer"  # the ASGI scope extension that carries a FrameWriter
-# Paced audio (an engine ahead of real time) is released on this grid, never before it is due: a
-# stream then takes one write per tick with every packet due by it (two 20 ms packets), half the
-# writes of one per packet, while its client keeps at least `realtime_lead_ms` - 40 ms buffered.
-PACING_TICK_S: Final = 0.04
 _CLOCK_SLACK_S: Final = 0.001  # the loop clock's granularity (1 ms under uvloop)
 
 
@@ -84,7 +80,8 @@ class FrameWriter(Protocol):
 
 class Pacer:
     """Shared by the sessions of one event loop: sessions with news are pumped once per loop pass,
-    in the order the news came; paced audio waits on ONE timer, on a `PACING_TICK_S` grid, and every
+    in the order the news came; paced audio waits on ONE timer, on a grid of `pacing_tick_ms`
+    (GatewayConfig: paced audio, an engine ahead of real time, goes at most that often), and every
     session whose audio is due by a tick is pumped at that tick."""
 
     _of_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = weakref.WeakKeyDictionary()
@@ -113,7 +110,8 @@ class Pacer:
 
     def wake_at(self, session: Session, due: float) -> float:
         """Pump `session` at the first tick at or after `due` (loop time); returns that tick."""
-        tick = math.ceil(due / PACING_TICK_S) * PACING_TICK_S
+        grid = session.pacing_tick_s
+        tick = math.ceil(due / grid) * grid
         heapq.heappush(self._due, (tick, next(self._order), session))
         if tick < self._timer_at:
             if self._timer is not None:
@@ -276,6 +274,7 @@ class Session:
         self._unsendable: str | None = None  # direct path: a text frame only the ASGI path may try
         self._closing = False
         self.paced_tick: float | None = None  # the Pacer tick this session waits for
+        self.pacing_tick_s = config.pacing_tick_ms / 1000.0
         on_news = None if self._writer is None else functools.partial(self._pacer.pump_soon, self)
         self.queue = SendQueue(config.send_queue_high, config.send_queue_low, on_news)
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
@@ -475,7 +474,8 @@ class Session:
             # judged at the last tick of the grid, so that between ticks only late audio goes (the
             # tick sends the rest together: one write for every packet it finds due)
             t0s, rate = self._stream_t0, protocol.output.sample_rate
-            tick = math.floor((now + _CLOCK_SLACK_S) / PACING_TICK_S) * PACING_TICK_S
+            grid = self.pacing_tick_s
+            tick = math.floor((now + _CLOCK_SLACK_S) / grid) * grid
             horizon = tick + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
         packet_sent = protocol.packet_sent
         latest: dict[int, Packet] = {}

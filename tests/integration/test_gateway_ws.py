@@ -214,7 +214,7 @@ async def test_playback_report_position(gateway_factory: GatewayFactory) -> None
 
 
 async def test_realtime_pacing_keeps_a_bounded_lead(gateway_factory: GatewayFactory) -> None:
-    g = gateway_factory(FakeEngine(), GatewayConfig(realtime_lead_ms=100))
+    g = gateway_factory(FakeEngine(), GatewayConfig(realtime_lead_ms=100, pacing_tick_ms=40))
     async with connect(g.ws) as ws:
         c = Client(ws)
         await c.send(type="session.start", pacing="realtime")

@@ -22,9 +22,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.packets import Packet
 from gateway.protocol import SendAudio
 from gateway.server import frame_header
-from gateway.session import FRAME_WRITER, PACING_TICK_S, Pacer, Session
+from gateway.session import FRAME_WRITER, Pacer, Session
 
 pytestmark = pytest.mark.timeout(30)
+TICK_MS = 40  # the pacing grid of the realtime tests (two 20 ms packets a tick)
+PACING_TICK_S = TICK_MS / 1000
 
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 127, 972, 4095, 4096, 65535, 65536, 70_000])
@@ -214,7 +216,7 @@ async def test_packets_sent_before_a_cancel_precede_the_interruption_and_none_fo
 
 
 async def test_realtime_pacing_holds_packets_to_the_lead_and_releases_them_on_the_shared_tick() -> None:
-    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100)
+    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100, pacing_tick_ms=TICK_MS)
     assert writer is not None
     loop = asyncio.get_running_loop()
     say(socket, "u1")
@@ -247,7 +249,7 @@ async def test_paced_audio_goes_on_the_tick_even_when_news_comes_between_ticks()
     """An engine ahead of real time hands chunks over every few ms: each one pumps the session,
     but audio that was not due at the grid's last tick waits for the next, so every write after
     the start carries a whole tick's packets (two of 20 ms), not one packet per wake-up."""
-    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100)
+    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100, pacing_tick_ms=TICK_MS)
     assert writer is not None
     say(socket, "u1")
     await settle()
@@ -263,6 +265,38 @@ async def test_paced_audio_goes_on_the_tick_even_when_news_comes_between_ticks()
     assert len(per_write) >= 5
     assert min(per_write) >= 2, per_write
     task.cancel()
+
+
+async def test_the_default_grid_writes_a_realtime_stream_five_packets_at_a_time() -> None:
+    """Default settings (300 ms of lead, a 100 ms grid): after the start, each write carries the
+    five 20 ms packets that came due in one tick, and the client is never less than 200 ms ahead
+    of its clock (the lead minus one tick)."""
+    config = GatewayConfig()
+    assert (config.realtime_lead_ms, config.pacing_tick_ms) == (300, 100)
+    session, socket, writer, engine, task = await start("realtime", FakeWriter())
+    assert writer is not None
+    loop = asyncio.get_running_loop()
+    say(socket, "u1")
+    await settle()
+    engine.streams["u1"].chunk(480 * 60)  # 1.2 s of audio at once
+    await settle()
+    t0 = loop.time()
+    writes_at_start = len(writer.writes)
+    sent_by: list[tuple[float, int]] = []
+    for _ in range(40):  # 0.6 s: six ticks
+        await asyncio.sleep(0.015)
+        sent_by.append((loop.time() - t0, len([k for k in kinds(writer.frames) if isinstance(k, tuple)])))
+    per_write = [sum(isinstance(m, bytes) for m in w) for w in writer.writes[writes_at_start:]]
+    assert len(per_write) >= 4 and all(n == 5 for n in per_write), per_write
+    for elapsed, sent in sent_by:  # packets sent cover the clock plus at least the lead minus a tick
+        assert sent * 0.02 >= elapsed + 0.2 - 0.03, (elapsed, sent)
+    task.cancel()
+
+
+@pytest.mark.parametrize("options", [{"pacing_tick_ms": 0}, {"pacing_tick_ms": 400}, {"realtime_lead_ms": 50}])
+def test_a_pacing_grid_longer_than_the_lead_is_refused(options: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="pacing_tick_ms"):
+        GatewayConfig(**options)
 
 
 async def test_a_full_transport_is_waited_out_by_the_writer_task_and_timed_by_the_watchdog() -> None:
