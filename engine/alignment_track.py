@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aligner.api import AlignedWord
-from engine.api import AudioChunk, TextSegment, WordTiming
+from engine.api import AudioChunk, TextSegment, WordTiming, float_samples
 
 AlignmentMode = Literal["sync", "async", "off"]
 ALIGNMENT_MODES: tuple[AlignmentMode, ...] = ("sync", "async", "off")
@@ -174,7 +174,7 @@ class AlignmentTracker:
         self.inner_final = self.inner_final or chunk.final
         if self.mode == "off":
             return [chunk], []
-        samples = np.asarray(chunk.samples, np.float32).reshape(-1)
+        samples = float_samples(chunk.samples)
         gap = chunk.sample_offset - self._audio.end
         if gap > 0:
             samples = np.concatenate((np.zeros(gap, np.float32), samples))

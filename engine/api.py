@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -100,11 +100,36 @@ class WordTiming:
     source: WordSource = "engine"
 
 
+PCM16_FULL_SCALE = 32767.0  # int16 samples are float samples times this, rounded
+
+
+def pcm16(samples: npt.NDArray[np.float32]) -> npt.NDArray[np.int16]:
+    """float32 samples as int16 PCM: clipped to [-1, 1], scaled by PCM16_FULL_SCALE, rounded."""
+    scaled = np.clip(np.asarray(samples, np.float32).reshape(-1), -1.0, 1.0)
+    scaled *= PCM16_FULL_SCALE
+    out = np.empty(len(scaled), np.int16)
+    np.rint(scaled, out=out, casting="unsafe")
+    return out
+
+
+def float_samples(samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> npt.NDArray[np.float32]:
+    """A chunk's samples as mono float32 in [-1, 1], whichever of the two forms it came in."""
+    if samples.dtype == np.int16:
+        out = samples.reshape(-1).astype(np.float32)
+        out *= np.float32(1.0 / PCM16_FULL_SCALE)
+        return out
+    if samples.dtype == np.float32 and samples.ndim == 1:
+        return cast(npt.NDArray[np.float32], samples)
+    return np.asarray(samples, dtype=np.float32).reshape(-1)
+
+
 @dataclass(frozen=True, slots=True)
 class AudioChunk:
     request_id: str
-    # mono float32 in [-1, 1] at Engine.sample_rate; may be empty (e.g. a words-only or final chunk)
-    samples: npt.NDArray[np.float32]
+    # mono at Engine.sample_rate: float32 in [-1, 1], or int16 PCM (`pcm16` of them), which an
+    # engine in another process hands over (half the bytes, and the gateway's default output as
+    # it is); `float_samples` gives either as float32. May be empty (a words-only or final chunk)
+    samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]
     # index of samples[0] on the utterance's timeline
     sample_offset: int
     # words whose timing became known with this chunk (never changed once sent)

@@ -54,6 +54,7 @@ from engine.api import (
     SynthesisRequest,
     TextSegment,
     UnknownVoice,
+    pcm16,
 )
 from engine.bridge import LoopChunkChannel, deliver_on_producer_thread, listen
 
@@ -96,7 +97,9 @@ _IOV_MAX = 1024  # buffers per writev call (Linux's IOV_MAX)
 
 
 def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[memoryview]]:
-    """A batch's messages with each chunk's samples taken out, and those samples' bytes in order."""
+    """A batch's messages with each chunk's samples taken out, and those samples' bytes in order:
+    int16 PCM (`pcm16`), made here in the worker's process. The gateway's default output is that
+    PCM as it is, so its one core neither converts it nor reads twice the bytes."""
     wire: list[tuple[Any, ...]] = []
     audio: list[memoryview] = []
     for message in messages:
@@ -104,7 +107,7 @@ def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], lis
             wire.append(message)
             continue
         _, rid, chunk = message
-        samples = np.ascontiguousarray(chunk.samples, np.float32)
+        samples = np.ascontiguousarray(chunk.samples) if chunk.samples.dtype == np.int16 else pcm16(chunk.samples)
         wire.append(("chunk", rid, chunk.request_id, samples.size, chunk.sample_offset, chunk.words, chunk.final))
         if samples.size:
             audio.append(samples.data.cast("B"))
@@ -157,7 +160,7 @@ def read_chunks(fd: int, wire: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     for message in wire:
         if message[0] == "chunk":
             _, rid, request_id, size, offset, words, final = message
-            samples = np.empty(size, np.float32)
+            samples = np.empty(size, np.int16)
             if size:
                 buffers.append(samples.data.cast("B"))
             message = ("chunk", rid, AudioChunk(request_id, samples, offset, words, final))

@@ -13,12 +13,13 @@ import struct
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
 import soxr
 
+from engine.api import float_samples
 from gateway.messages import (
     BYTES_PER_SAMPLE,
     FLAG_LAST,
@@ -33,6 +34,7 @@ from gateway.messages import (
 
 Audio = npt.NDArray[np.float32]
 _EMPTY: Final = np.zeros(0, dtype=np.float32)
+_EMPTY_PCM: Final = np.zeros(0, dtype=np.int16)
 _PACK_HEADER: Final = struct.Struct("<BBHII").pack  # PacketHeader.pack's layout, without the object
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _FLOAT32: Final = np.dtype(np.float32)  # native float32 (numpy keeps one instance of it)
@@ -333,15 +335,26 @@ class Packetiser:
         self._size = fmt.samples_per_packet
         self._encoding = fmt.encoding
         self._resampler = StreamResampler(input_rate, fmt.sample_rate)
+        # int16 engine audio is the payload itself when nothing is to be resampled or re-encoded
+        self._pcm_as_is = fmt.encoding == "pcm_s16le" and input_rate == fmt.sample_rate and _LITTLE_ENDIAN
         self._pending: Audio = _EMPTY
+        self._pending_pcm: npt.NDArray[np.int16] = _EMPTY_PCM  # int16 audio short of a packet
         self.samples_out = 0  # output samples packetised so far
         self.packets = 0
         self.finished = False
 
-    def push(self, samples: Audio, final: bool = False) -> list[Packet]:
+    def push(self, samples: Audio | npt.NDArray[np.int16], final: bool = False) -> list[Packet]:
+        """Packets of `samples` (float32 in [-1, 1], or int16 PCM), and what was left before them."""
         if self.finished:
             raise RuntimeError("the packetiser has already sent its last packet")
-        resampled = self._resampler.process(samples, last=final)
+        if samples.dtype == np.int16:
+            pcm = cast(npt.NDArray[np.int16], samples)
+            if self._pcm_as_is:
+                return self._push_pcm(pcm, final)
+            samples = float_samples(pcm)
+        elif len(self._pending_pcm):  # float audio after int16 (an engine does not mix them)
+            return self._push_pcm(to_int16(cast(Audio, samples)), final)
+        resampled = self._resampler.process(cast(Audio, samples), last=final)
         if not final and len(resampled) == self._size and not len(self._pending):  # one whole packet
             return [self._defer(resampled)]
         if len(resampled):
@@ -366,6 +379,36 @@ class Packetiser:
     @property
     def duration_ms(self) -> int:
         return round(self.samples_out * 1000 / self.format.sample_rate)
+
+    def _push_pcm(self, pcm: npt.NDArray[np.int16], final: bool) -> list[Packet]:
+        """`push` for int16 PCM that is already the payload: whole packets are its bytes sliced,
+        with nothing to encode (and nothing deferred)."""
+        pcm = np.ascontiguousarray(pcm.reshape(-1))
+        pending = np.concatenate((self._pending_pcm, pcm)) if len(self._pending_pcm) else pcm
+        size = self._size
+        count = len(pending) // size
+        if final and count and len(pending) == count * size:
+            count -= 1  # the very last one goes out below, flagged as last
+        out: list[Packet] = []
+        if count:
+            whole = count * size
+            data = pending[:whole].data.cast("B")
+            stream, seq, offset, width = self.stream, self.packets, self.samples_out, 2 * size
+            of_frame = Packet.of_frame
+            for i in range(count):
+                head = _PACK_HEADER(PROTOCOL_VERSION, 0, stream, seq & 0xFFFFFFFF, offset & 0xFFFFFFFF)
+                out.append(of_frame(stream, seq, offset, 0, size, head + data[i * width : (i + 1) * width]))
+                seq += 1
+                offset += size
+            self.packets, self.samples_out = seq, offset
+            pending = pending[whole:]
+        self._pending_pcm = pending if len(pending) else _EMPTY_PCM
+        if final:
+            rest = self._pending_pcm
+            out.append(self._make(rest.tobytes(), len(rest), last=True))
+            self._pending_pcm = _EMPTY_PCM
+            self.finished = True
+        return out
 
     def _defer_run(self, audio: Audio, count: int) -> list[Packet]:
         """`_defer` of `count` whole packets from the start of `audio`, in one loop (the hot path

@@ -303,12 +303,12 @@ class SessionProtocol:
                     "source": chunk.words[0].source,
                     "words": [w.to_wire() for w in new_words],
                 }))
-        samples = chunk.samples
-        if not is_mono_float32(samples):
+        samples = chunk.samples  # float32, or int16 PCM (the packetiser takes either)
+        if samples.dtype != np.int16 and not is_mono_float32(samples):
             samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         gap = chunk.sample_offset - utt.engine_samples
         if gap > 0:  # the engine skipped samples: keep the timeline with silence
-            samples = np.concatenate((np.zeros(gap, dtype=np.float32), samples))
+            samples = np.concatenate((np.zeros(gap, dtype=samples.dtype), samples.reshape(-1)))
         elif gap < 0:  # overlap with audio already sent: drop the repeated part
             samples = samples[min(-gap, len(samples)):]
         utt.engine_samples += len(samples)

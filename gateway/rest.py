@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
+from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream, float_samples
 from gateway.auth import ANONYMOUS, Principal
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message, retry_after_s
@@ -165,7 +165,7 @@ class _Synthesis:
     async def pieces(self) -> AsyncIterator[tuple[bytes, AudioChunk]]:
         try:
             async for chunk in self.stream:
-                audio = self._resampler.process(chunk.samples, last=chunk.final)
+                audio = self._resampler.process(float_samples(chunk.samples), last=chunk.final)
                 self.samples_out += len(audio)
                 if len(audio) and self._first:
                     self._first = False

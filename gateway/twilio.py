@@ -32,7 +32,7 @@ import numpy.typing as npt
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream
+from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream, float_samples
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message
 from gateway.messages import (
@@ -542,7 +542,7 @@ class Call:
         if new_words:
             self.to_agent({"type": "words", "utterance_id": utt.utterance_id, "source": chunk.words[0].source,
                            "words": new_words})
-        samples = np.asarray(chunk.samples, dtype=np.float32).reshape(-1)
+        samples = float_samples(chunk.samples)
         self._add_packets(utt, utt.packetiser.push(samples, final=chunk.final))
 
     def _add_packets(self, utt: PhoneUtterance, packets: list[Packet]) -> None:

@@ -13,8 +13,9 @@ OS), both averaged from the worker's start, audio seconds delivered per second, 
 process and of this one. A step interval far above gpu_ms at many streams is host overhead that a
 GPU run pays too. Also the hand-off latency: from the step thread's `put` of a chunk to this
 process's consumer receiving it (p50/p90/p99, ms), for every chunk and for each request's first
-chunk alone, and the step interval's p50/p90. The hand-off time rides in the first 8 bytes of the
-chunk's samples (the bench's audio is silence; both processes read the same monotonic clock).
+chunk alone, and the step interval's p50/p90. The hand-off time rides in the chunk's first four
+samples, 15 bits each, in a form the int16 PCM of the wire keeps (the bench's audio is silence;
+both processes read the same monotonic clock).
 
     .venv/bin/python -m scripts.bench_worker_host --streams 64,256,512 --gpu-ms 30 --seconds 8
 """
@@ -39,7 +40,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment  # noqa: E402
+from engine.api import (  # noqa: E402
+    PCM16_FULL_SCALE,
+    AudioChunk,
+    EngineInfo,
+    EngineLoad,
+    SynthesisRequest,
+    TextSegment,
+    pcm16,
+)
 from engine.bridge import ChunkBatch, ChunkChannel  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
@@ -51,14 +60,22 @@ from engine.workers import WorkerPoolEngine, WorkerSpec  # noqa: E402
 PROMPT_LEN = 40
 
 
+_STAMP_SAMPLES = 4  # 15 bits each: microseconds of the monotonic clock
+
+
 def stamp(samples: np.ndarray) -> None:
-    """Write the hand-off time into the chunk's first 8 bytes (float64)."""
-    if samples.size >= 2:
-        samples[:2].view(np.float64)[0] = time.perf_counter()
+    """Write the hand-off time into the chunk's first samples, as values that int16 PCM keeps."""
+    if samples.size >= _STAMP_SAMPLES:
+        us = int(time.perf_counter() * 1e6)
+        for k in range(_STAMP_SAMPLES):
+            samples[k] = ((us >> (15 * k)) & 0x7FFF) / PCM16_FULL_SCALE
 
 
 def stamp_of(samples: np.ndarray) -> float | None:
-    return float(samples[:2].view(np.float64)[0]) if samples.size >= 2 else None
+    if samples.size < _STAMP_SAMPLES:
+        return None
+    pcm = samples[:_STAMP_SAMPLES] if samples.dtype == np.int16 else pcm16(samples[:_STAMP_SAMPLES])
+    return sum(int(v) << (15 * k) for k, v in enumerate(pcm)) / 1e6
 
 
 def percentiles_ms(values: list[float], prefix: str) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.api import float_samples, pcm16
 from gateway.messages import ProtocolError
 from gateway.packets import (
     OutputFormat,
@@ -135,3 +136,43 @@ def test_mulaw_packets_are_8k_one_byte_per_sample() -> None:
 def test_invalid_formats_are_refused(encoding: str, rate: int) -> None:
     with pytest.raises(ProtocolError):
         OutputFormat(encoding, rate, 20)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "fmt", [OutputFormat(), OutputFormat("mulaw", 8000, 20), OutputFormat("pcm_f32le", 48000, 40)]
+)
+def test_int16_engine_audio_makes_the_packets_its_float_form_makes(fmt: OutputFormat) -> None:
+    """Engines in another process hand over int16 PCM: it is the default payload as it is, and
+    any other output is made from its float form, so the packets equal those of the float audio
+    it stands for, cut the same way, last packet included."""
+    audio = pcm16(sine(480 * 7 + 123, 24_000, amp=0.9))
+    cuts = [0, 300, 1920, 2000, len(audio)]
+    from_pcm, from_float = Packetiser(1, fmt, 24_000), Packetiser(1, fmt, 24_000)
+    got: list = []
+    want: list = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        final = b == len(audio)
+        got += from_pcm.push(audio[a:b], final=final)
+        want += from_float.push(float_samples(audio[a:b]), final=final)
+    assert [p.frame for p in got] == [p.frame for p in want]
+    assert got[-1].last and not any(p.last for p in got[:-1])
+    if fmt == OutputFormat():  # the payload is the engine's PCM itself
+        assert b"".join(p.payload for p in got) == audio.tobytes()
+
+
+def test_float_audio_after_int16_keeps_the_stream_whole() -> None:
+    p = Packetiser(1, OutputFormat(), 24_000)
+    first = pcm16(sine(700, 24_000))
+    second = sine(500, 24_000, freq=300.0)
+    packets = p.push(first) + p.push(second, final=True)
+    payload = b"".join(pk.payload for pk in packets)
+    assert payload == first.tobytes() + pcm16(second).tobytes()
+    assert [pk.seq for pk in packets] == list(range(len(packets))) and packets[-1].last
+
+
+def test_pcm16_and_float_samples_round_trip() -> None:
+    x = np.array([-1.5, -1.0, -0.5, 0.0, 1e-6, 0.5, 0.99999, 1.0, 2.0], np.float32)
+    pcm = pcm16(x)
+    assert pcm.dtype == np.int16 and list(pcm[[0, 1, 3, 7, 8]]) == [-32767, -32767, 0, 32767, 32767]
+    assert np.array_equal(pcm16(float_samples(pcm)), pcm)
+    assert float_samples(x) is x  # float32 mono passes through

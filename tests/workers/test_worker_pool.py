@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cadence.engines import EngineOptions, build_engine
-from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice
+from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice, pcm16
 from engine.bridge import LoopChunkChannel
 from engine.workers import (
     WorkerPoolEngine,
@@ -170,7 +170,7 @@ async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_ch
     loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
     outs = [_StreamOut(loop, rid) for rid in range(3)]
     outs[0].first = outs[1].first = False  # streams 0 and 1 are under way; 2 starts in this pass
-    chunks = [AudioChunk(f"u{i % 3}", np.arange(8, dtype=np.float32) + i, 8 * i) for i in range(9)]
+    chunks = [AudioChunk(f"u{i % 3}", (np.arange(8, dtype=np.float32) + i) / 20, 8 * i) for i in range(9)]
     for i, c in enumerate(chunks):
         outs[i % 3].chunk(c)
     outs[0].end()
@@ -183,8 +183,8 @@ async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_ch
     rest = batches[1][1]
     assert [m[0] for m in rest] == ["chunk"] * 8 + ["end", "fail"]
     assert [m[2].sample_offset for m in rest[:8]] == [c.sample_offset for i, c in enumerate(chunks) if i != 2]
-    for m in batches[0][1] + rest[:8]:  # each chunk's own samples, in a writable array of its own
-        np.testing.assert_array_equal(m[2].samples, chunks[m[2].sample_offset // 8].samples)
+    for m in batches[0][1] + rest[:8]:  # each chunk's own samples as int16 PCM, in an array of its own
+        np.testing.assert_array_equal(m[2].samples, pcm16(chunks[m[2].sample_offset // 8].samples))
         assert m[2].samples.flags.writeable and m[2].samples.base is None
 
     # the gateway side takes a batch apart in order
@@ -212,7 +212,7 @@ async def test_a_batch_larger_than_the_pipe_and_one_without_audio_arrive_whole()
     thread.join()
     assert len(got) == 2
     assert [m[2].sample_offset for m in got[0][1][:40]] == list(range(40))
-    assert all(np.array_equal(m[2].samples, c.samples) for m, c in zip(got[0][1], big, strict=False))
+    assert all(np.array_equal(m[2].samples, pcm16(c.samples)) for m, c in zip(got[0][1], big, strict=False))
     assert got[0][1][-1][2].final and got[0][1][-1][2].samples.size == 0
     assert got[1][1][0][2].request_id == "v" and got[1][1][0][2].final
 
@@ -221,7 +221,7 @@ async def test_a_stream_that_is_not_a_bridge_channel_is_forwarded_by_a_task_in_o
     class Stream:
         async def __aiter__(self) -> AsyncIterator[AudioChunk]:
             for offset in (0, 8):
-                yield AudioChunk("g", np.full(8, offset, np.float32), offset)
+                yield AudioChunk("g", np.full(8, offset / 16, np.float32), offset)
                 await asyncio.sleep(0)
             raise EngineError("ran dry")
 
@@ -237,5 +237,5 @@ async def test_a_stream_that_is_not_a_bridge_channel_is_forwarded_by_a_task_in_o
     await asyncio.sleep(0)
     messages = [m for batch in received(gateway_end) for m in batch[1]]
     assert [(m[0], m[1]) for m in messages] == [("chunk", 5), ("chunk", 5), ("fail", 5)]
-    assert [float(m[2].samples[0]) for m in messages[:2]] == [0.0, 8.0] and messages[2][3] == "ran dry"
+    assert [int(m[2].samples[0]) for m in messages[:2]] == [0, 16384] and messages[2][3] == "ran dry"
     assert 5 not in loop.streams
