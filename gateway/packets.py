@@ -384,6 +384,8 @@ class Packetiser:
         """`push` for int16 PCM that is already the payload: whole packets are its bytes sliced,
         with nothing to encode (and nothing deferred)."""
         pcm = np.ascontiguousarray(pcm.reshape(-1))
+        if len(self._pending):  # float audio held from before (an engine does not mix them)
+            self._pending_pcm, self._pending = to_int16(self._pending), _EMPTY
         pending = np.concatenate((self._pending_pcm, pcm)) if len(self._pending_pcm) else pcm
         size = self._size
         count = len(pending) // size

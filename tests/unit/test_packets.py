@@ -160,13 +160,14 @@ def test_int16_engine_audio_makes_the_packets_its_float_form_makes(fmt: OutputFo
         assert b"".join(p.payload for p in got) == audio.tobytes()
 
 
-def test_float_audio_after_int16_keeps_the_stream_whole() -> None:
+@pytest.mark.parametrize("pcm_first", [True, False])
+def test_a_stream_mixing_float_and_int16_audio_stays_whole(pcm_first: bool) -> None:
     p = Packetiser(1, OutputFormat(), 24_000)
-    first = pcm16(sine(700, 24_000))
-    second = sine(500, 24_000, freq=300.0)
+    a, b = sine(700, 24_000), sine(500, 24_000, freq=300.0)
+    first, second = (pcm16(a), b) if pcm_first else (a, pcm16(b))
     packets = p.push(first) + p.push(second, final=True)
     payload = b"".join(pk.payload for pk in packets)
-    assert payload == first.tobytes() + pcm16(second).tobytes()
+    assert payload == pcm16(a).tobytes() + pcm16(b).tobytes()
     assert [pk.seq for pk in packets] == list(range(len(packets))) and packets[-1].last
 
 
