@@ -142,6 +142,24 @@ def say(socket: FakeSocket, uid: str, text: str = "Hello there.") -> None:
         {"type": "speak.append", "utterance_id": uid, "text": text})})
 
 
+async def realtime_stream(samples: int, **config: Any) -> tuple[FakeWriter, FakeStream, asyncio.Task[None]]:
+    """A realtime-paced session on the direct path whose one utterance got `samples` at once."""
+    writer = FakeWriter()
+    _, socket, _, engine, task = await start("realtime", writer, **config)
+    say(socket, "u1")
+    await settle()
+    stream = engine.streams["u1"]
+    stream.chunk(samples)
+    await settle()
+    return writer, stream, task
+
+
+def packets_per_write(writer: FakeWriter, since: int) -> list[int]:
+    """Packets in each write from the `since`-th on (writes of text alone left out)."""
+    counts = [sum(isinstance(m, bytes) for m in w) for w in writer.writes[since:]]
+    return [n for n in counts if n]
+
+
 def kinds(frames: list[bytes | str]) -> list[Any]:
     """JSON messages by type, packets as (stream, seq)."""
     out: list[Any] = []
@@ -216,13 +234,8 @@ async def test_packets_sent_before_a_cancel_precede_the_interruption_and_none_fo
 
 
 async def test_realtime_pacing_holds_packets_to_the_lead_and_releases_them_on_the_shared_tick() -> None:
-    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100, pacing_tick_ms=TICK_MS)
-    assert writer is not None
     loop = asyncio.get_running_loop()
-    say(socket, "u1")
-    await settle()
-    engine.streams["u1"].chunk(480 * 25)  # 500 ms of audio at once
-    await settle()
+    writer, _, task = await realtime_stream(480 * 25, realtime_lead_ms=100, pacing_tick_ms=TICK_MS)  # 500 ms at once
     t0 = loop.time()
 
     def packets() -> list[Any]:
@@ -249,19 +262,13 @@ async def test_paced_audio_goes_on_the_tick_even_when_news_comes_between_ticks()
     """An engine ahead of real time hands chunks over every few ms: each one pumps the session,
     but audio that was not due at the grid's last tick waits for the next, so every write after
     the start carries a whole tick's packets (two of 20 ms), not one packet per wake-up."""
-    session, socket, writer, engine, task = await start("realtime", FakeWriter(), realtime_lead_ms=100, pacing_tick_ms=TICK_MS)
-    assert writer is not None
-    say(socket, "u1")
-    await settle()
-    stream = engine.streams["u1"]
-    stream.chunk(480 * 10)  # 200 ms at once: the start and its lead
-    await settle()
+    # 200 ms at once: the start and its lead
+    writer, stream, task = await realtime_stream(480 * 10, realtime_lead_ms=100, pacing_tick_ms=TICK_MS)
     writes_at_start = len(writer.writes)
     for _ in range(60):  # then 20 ms every 5 ms (four times real time) for 300 ms
         stream.chunk(480)
         await asyncio.sleep(0.005)
-    per_write = [sum(isinstance(m, bytes) for m in w) for w in writer.writes[writes_at_start:]]
-    per_write = [n for n in per_write if n]
+    per_write = packets_per_write(writer, writes_at_start)
     assert len(per_write) >= 5
     assert min(per_write) >= 2, per_write
     task.cancel()
@@ -273,20 +280,15 @@ async def test_the_default_grid_writes_a_realtime_stream_five_packets_at_a_time(
     of its clock (the lead minus one tick)."""
     config = GatewayConfig()
     assert (config.realtime_lead_ms, config.pacing_tick_ms) == (300, 100)
-    session, socket, writer, engine, task = await start("realtime", FakeWriter())
-    assert writer is not None
     loop = asyncio.get_running_loop()
-    say(socket, "u1")
-    await settle()
-    engine.streams["u1"].chunk(480 * 60)  # 1.2 s of audio at once
-    await settle()
+    writer, _, task = await realtime_stream(480 * 60)  # 1.2 s of audio at once
     t0 = loop.time()
     writes_at_start = len(writer.writes)
     sent_by: list[tuple[float, int]] = []
     for _ in range(40):  # 0.6 s: six ticks
         await asyncio.sleep(0.015)
         sent_by.append((loop.time() - t0, len([k for k in kinds(writer.frames) if isinstance(k, tuple)])))
-    per_write = [sum(isinstance(m, bytes) for m in w) for w in writer.writes[writes_at_start:]]
+    per_write = packets_per_write(writer, writes_at_start)
     assert len(per_write) >= 4 and all(n == 5 for n in per_write), per_write
     for elapsed, sent in sent_by:  # packets sent cover the clock plus at least the lead minus a tick
         assert sent * 0.02 >= elapsed + 0.2 - 0.03, (elapsed, sent)
@@ -296,7 +298,7 @@ async def test_the_default_grid_writes_a_realtime_stream_five_packets_at_a_time(
 @pytest.mark.parametrize("options", [{"pacing_tick_ms": 0}, {"pacing_tick_ms": 400}, {"realtime_lead_ms": 50}])
 def test_a_pacing_grid_longer_than_the_lead_is_refused(options: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="pacing_tick_ms"):
-        GatewayConfig(**options)
+        GatewayConfig(**options)  # type: ignore[arg-type]
 
 
 async def test_a_full_transport_is_waited_out_by_the_writer_task_and_timed_by_the_watchdog() -> None:
