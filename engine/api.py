@@ -104,12 +104,13 @@ PCM16_FULL_SCALE = 32767.0  # int16 samples are float samples times this, rounde
 
 
 def pcm16(samples: npt.NDArray[np.float32]) -> npt.NDArray[np.int16]:
-    """float32 samples as int16 PCM: clipped to [-1, 1], scaled by PCM16_FULL_SCALE, rounded."""
-    scaled = np.clip(np.asarray(samples, np.float32).reshape(-1), -1.0, 1.0)
-    scaled *= PCM16_FULL_SCALE
-    out = np.empty(len(scaled), np.int16)
-    np.rint(scaled, out=out, casting="unsafe")
-    return out
+    """float32 samples as int16 PCM: clipped to [-1, 1], scaled by PCM16_FULL_SCALE, rounded.
+    Plain ufuncs: np.clip's wrapper costs more than the arithmetic on a 20 ms packet."""
+    scaled = np.maximum(np.asarray(samples, np.float32).reshape(-1), -1.0)
+    np.minimum(scaled, 1.0, out=scaled)
+    np.multiply(scaled, PCM16_FULL_SCALE, out=scaled)
+    np.rint(scaled, out=scaled)
+    return scaled.astype(np.int16)
 
 
 def float_samples(samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> npt.NDArray[np.float32]:
