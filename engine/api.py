@@ -202,6 +202,31 @@ class SynthesisStream(Protocol):
     def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
 
 
+class ChunkListener(Protocol):
+    """Takes one stream's items on its event loop, in order, in place of an iterating task."""
+
+    def chunk(self, chunk: AudioChunk) -> None: ...
+
+    def end(self) -> None:
+        """The stream ended (after a final chunk, a finish or the consumer's close)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The stream failed (the error as the engine reported it)."""
+
+
+def listen(stream: SynthesisStream, listener: ChunkListener) -> bool:
+    """Have `stream` hand its chunks to `listener` on the event loop as they come, instead of
+    being iterated: no task and no future per chunk. False when it cannot (then iterate it). A
+    stream may offer `listen(listener) -> bool` itself; one whose `__aiter__` is a channel of
+    engine.bridge is listened to through the channel."""
+    own = getattr(stream, "listen", None)
+    if own is not None:
+        return bool(own(listener))
+    from engine.bridge import listen as listen_to_channel  # engine.bridge imports this module
+
+    return listen_to_channel(stream.__aiter__(), listener)
+
+
 @runtime_checkable
 class Engine(Protocol):
     info: EngineInfo

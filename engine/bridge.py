@@ -19,23 +19,11 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
-from engine.api import AudioChunk, EngineError
+from engine.api import AudioChunk, ChunkListener, EngineError
 
 _END = object()
-
-
-class ChunkListener(Protocol):
-    """Takes one stream's items on its event loop, in order, in place of an iterating task."""
-
-    def chunk(self, chunk: AudioChunk) -> None: ...
-
-    def end(self) -> None:
-        """The stream ended (after a final chunk, a finish or the consumer's close)."""
-
-    def fail(self, error: BaseException) -> None:
-        """The stream failed (the error as the engine reported it)."""
 
 
 _Item = TypeVar("_Item")

@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     Engine,
     EngineError,
     EngineInfo,
@@ -430,6 +431,12 @@ class WorkerStream:
                 yield chunk
         finally:
             self.pool._forget(self.worker, self.rid)
+
+    def listen(self, listener: ChunkListener) -> bool:
+        """engine.api.listen: the channel hands the chunks over. The pool forgets the request at
+        its final chunk, end or failure, as it does for an iterated stream; a cancel forgets it too."""
+        self.channel.listen(listener)
+        return True
 
 
 _MEAN_FIGURES = ("step_ms_", "batch_", "ttfa_p50", "kv_utilisation", "prefill_tokens", "codec_frames", "codec_launches")

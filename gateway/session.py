@@ -37,7 +37,7 @@ from typing import ClassVar, Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisStream
+from engine.api import AudioChunk, Engine, EngineError, SynthesisStream, listen
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -57,6 +57,7 @@ from gateway.protocol import (
     SessionProtocol,
 )
 from gateway.quotas import Quotas
+from gateway.stream_listener import StreamListener
 
 log = logging.getLogger("cadence.session")
 
@@ -280,7 +281,8 @@ class Session:
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
         self._send_started: float | None = None  # when the send in progress began (None: not sending)
         self._streams: dict[str, SynthesisStream] = {}
-        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._listeners: dict[str, StreamListener] = {}  # streams that hand their chunks over
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # streams iterated by a task
         self._first_text_at: dict[str, float] = {}
         self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
         self._counted_active = 0
@@ -560,22 +562,33 @@ class Session:
 
     # -- engine pulls -------------------------------------------------------------------------
     async def _pull(self, utterance_id: str, stream: SynthesisStream) -> None:
+        """A stream that cannot hand its chunks over (engine.api.listen), iterated."""
         writable = self.queue.writable
         try:
             async for chunk in stream:
                 if not writable.is_set():
                     await writable.wait()
                 self._take_chunk(utterance_id, chunk)
-            self._execute(self.protocol.stream_ended(utterance_id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine failure ends this utterance only
-            if not isinstance(exc, EngineError):
-                log.exception("engine stream of %s failed", utterance_id)
-            self._execute(self.protocol.stream_failed(utterance_id, exc))
+            self._stream_failed(utterance_id, exc)
+        else:
+            self._stream_ended(utterance_id)
         finally:
-            self._streams.pop(utterance_id, None)
             self._pulls.pop(utterance_id, None)
+
+    def _stream_ended(self, utterance_id: str) -> None:
+        self._streams.pop(utterance_id, None)
+        self._listeners.pop(utterance_id, None)
+        self._execute(self.protocol.stream_ended(utterance_id))
+
+    def _stream_failed(self, utterance_id: str, exc: BaseException) -> None:
+        if not isinstance(exc, EngineError):
+            log.error("engine stream of %s failed", utterance_id, exc_info=exc)
+        self._streams.pop(utterance_id, None)
+        self._listeners.pop(utterance_id, None)
+        self._execute(self.protocol.stream_failed(utterance_id, exc))
 
     def _take_chunk(self, utterance_id: str, chunk: AudioChunk) -> None:
         """A chunk's packets straight into the audio lane, the rest (words, a trailer) in order. A
@@ -592,6 +605,9 @@ class Session:
             self._cancel_stream(utterance_id)
 
     def _cancel_stream(self, utterance_id: str) -> None:
+        listener = self._listeners.pop(utterance_id, None)
+        if listener is not None:
+            listener.close()
         stream = self._streams.pop(utterance_id, None)
         if stream is not None:
             with contextlib.suppress(Exception):
@@ -644,7 +660,13 @@ class Session:
             set_alignment(self.protocol.word_alignment)
         self._streams[action.utterance_id] = stream
         self.metrics.utterances.labels("stream").inc()
-        self._pulls[action.utterance_id] = asyncio.create_task(self._pull(action.utterance_id, stream))
+        uid = action.utterance_id
+        listener = StreamListener(functools.partial(self._take_chunk, uid), functools.partial(self._stream_ended, uid),
+                                  functools.partial(self._stream_failed, uid), self.queue.writable)
+        if listen(stream, listener):
+            self._listeners[uid] = listener
+        else:
+            self._pulls[uid] = asyncio.create_task(self._pull(uid, stream))
         return self.protocol.open_succeeded(action.utterance_id)
 
     def _push(self, action: PushText) -> list[Action]:

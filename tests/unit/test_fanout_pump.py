@@ -378,3 +378,32 @@ async def test_paced_packets_wait_in_the_lane_with_nothing_around_them() -> None
                    if r is not waiting and r is not sample and not inspect.isframe(r)]
         assert held_by == [session.queue.audio]
     task.cancel()
+
+
+async def test_a_session_listens_to_a_stream_that_can_be_listened_to_and_lets_go_at_its_end() -> None:
+    """The null engine's streams hand their chunks over: no task per utterance. The fake engine's
+    stream above can only be iterated: it gets a task (every other test here)."""
+    from engine.null import NullEngine
+
+    engine = NullEngine(chunk_ms=80, speed=8.0)
+    await engine.start()
+    writer = FakeWriter()
+    socket = FakeSocket(writer)
+    session = Session(socket, engine, GatewayConfig(), GatewayMetrics())  # type: ignore[arg-type]
+    task = asyncio.create_task(session.run())
+    await socket.inbox.put({"type": "websocket.receive", "text": json.dumps(
+        {"type": "session.start", "pacing": "asap", "timestamps": "none"})})
+    say(socket, "u1", "One two three.")
+    socket.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps({"type": "speak.end", "utterance_id": "u1"})})
+    await settle()
+    assert list(session._listeners) == ["u1"] and not session._pulls
+    for _ in range(200):
+        if "utterance.done" in kinds(writer.frames):
+            break
+        await asyncio.sleep(0.01)
+    got = kinds(writer.frames)
+    assert got[-1] == "utterance.done"
+    assert [k[1] for k in got if isinstance(k, tuple)] == list(range(sum(isinstance(k, tuple) for k in got)))
+    assert not session._listeners and not session._streams
+    task.cancel()
+    await engine.stop()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from cadence.engines import EngineOptions, build_engine
-from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice, pcm16
+from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice, listen, pcm16
 from engine.bridge import LoopChunkChannel
 from engine.workers import (
     WorkerPoolEngine,
@@ -239,3 +239,31 @@ async def test_a_stream_that_is_not_a_bridge_channel_is_forwarded_by_a_task_in_o
     assert [(m[0], m[1]) for m in messages] == [("chunk", 5), ("chunk", 5), ("fail", 5)]
     assert [int(m[2].samples[0]) for m in messages[:2]] == [0, 16384] and messages[2][3] == "ran dry"
     assert 5 not in loop.streams
+
+
+async def test_a_listener_gets_a_worker_streams_chunks_and_the_request_is_forgotten_at_its_end() -> None:
+    class Listener:
+        def __init__(self) -> None:
+            self.items: list[Any] = []
+
+        def chunk(self, chunk: AudioChunk) -> None:
+            self.items.append(chunk)
+
+        def end(self) -> None:
+            self.items.append("end")
+
+        def fail(self, error: BaseException) -> None:
+            self.items.append(error)
+
+    pool = await started("espeak")
+    try:
+        listener = Listener()
+        stream = speak(pool, "s/l1", "Heard without a task.")
+        assert listen(stream, listener)
+        await wait_for(lambda: bool(listener.items) and listener.items[-1] == "end")
+        chunks = [c for c in listener.items[:-1] if isinstance(c, AudioChunk)]
+        assert len(chunks) == len(listener.items) - 1 and chunks[-1].final
+        assert sum(c.samples.size for c in chunks) > pool.info.sample_rate // 2
+        assert not any(worker.in_flight for worker in pool.live_workers())  # forgotten at the end
+    finally:
+        await pool.stop()
