@@ -109,7 +109,7 @@ class GatewayConfig:
         if self.realtime_lead_ms < 0:
             raise ValueError("realtime_lead_ms must not be negative")
         if not 0 < self.pacing_tick_ms <= max(self.realtime_lead_ms, 20):
-            raise ValueError("pacing_tick_ms must be positive and at most realtime_lead_ms")
+            raise ValueError("pacing_tick_ms must be positive and at most realtime_lead_ms (20 if the lead is shorter)")
         if not 0 <= self.send_queue_low < self.send_queue_high:
             raise ValueError("send_queue_low must be in [0, send_queue_high)")
         if self.drain_timeout_s < 0:
