@@ -317,12 +317,21 @@ class AudioEncoder(nn.Module):
         copy; gathers and scatters then stand in for per-chunk slicing, so nothing waits on the GPU.
         """
         layout = EncoderLayout.plan(
-            frame_counts, self.cfg.n_window * 2, self.cfg.n_window_infer // (self.cfg.n_window * 2),
-            self.windowed, self.steady_shapes,
+            frame_counts,
+            self.cfg.n_window * 2,
+            self.cfg.n_window_infer // (self.cfg.n_window * 2),
+            self.windowed,
+            self.steady_shapes,
         )
         item, start, length, solo, source, target, sizes = upload(
-            features.device, layout.chunk_item, layout.chunk_start, layout.chunk_length, layout.chunk_solo,
-            layout.token_source, layout.token_target, layout.window_sizes,
+            features.device,
+            layout.chunk_item,
+            layout.chunk_start,
+            layout.chunk_length,
+            layout.chunk_solo,
+            layout.token_source,
+            layout.token_target,
+            layout.window_sizes,
         )
         offsets = torch.arange(layout.width, device=features.device)
         frames = (start[:, None] + offsets).clamp(max=features.shape[-1] - 1)
@@ -364,7 +373,12 @@ class EncoderLayout:
 
     @classmethod
     def plan(
-        cls, frame_counts: Sequence[int], chunk_frames: int, ratio: int, windowed: bool, steady_shapes: bool = False
+        cls,
+        frame_counts: Sequence[int],
+        chunk_frames: int,
+        ratio: int,
+        windowed: bool,
+        steady_shapes: bool = False,
     ) -> EncoderLayout:
         per_item = [-(-frames // chunk_frames) for frames in frame_counts]
         chunk_item = np.repeat(np.arange(len(frame_counts)), per_item)
@@ -380,7 +394,9 @@ class EncoderLayout:
         token_chunk = np.repeat(np.arange(len(chunk_item)), chunk_tokens)
         token_source = token_chunk * slots + np.arange(len(token_chunk)) - first_token[token_chunk]
 
-        item_tokens = np.bincount(chunk_item, weights=chunk_tokens, minlength=len(frame_counts)).astype(np.int64)
+        item_tokens = np.bincount(chunk_item, weights=chunk_tokens, minlength=len(frame_counts)).astype(
+            np.int64
+        )
         widest = np.zeros(len(frame_counts), np.int64)
         np.maximum.at(widest, chunk_item, chunk_tokens)
         span = widest * ratio if windowed else item_tokens
@@ -394,11 +410,21 @@ class EncoderLayout:
         token_target = token_window * window_length + position % span[token_item]
         if steady_shapes:  # empty chunks after the real ones, masked like a lone short chunk
             extra = chunk_bucket(len(chunk_item)) - len(chunk_item)
-            chunk_item, chunk_start, chunk_length = (np.pad(a, (0, extra)) for a in (chunk_item, chunk_start, chunk_length))
+            chunk_item, chunk_start, chunk_length = (
+                np.pad(a, (0, extra)) for a in (chunk_item, chunk_start, chunk_length)
+            )
             chunk_solo = np.pad(chunk_solo, (0, extra), constant_values=True)
         return cls(
-            width, chunk_item, chunk_start, chunk_length, chunk_solo, token_source, token_target,
-            window_sizes, window_length, item_tokens.tolist(),
+            width,
+            chunk_item,
+            chunk_start,
+            chunk_length,
+            chunk_solo,
+            token_source,
+            token_target,
+            window_sizes,
+            window_length,
+            item_tokens.tolist(),
         )
 
 
@@ -556,7 +582,11 @@ class ForcedAlignerModel(nn.Module):
                 audio_slots = ids == self.cfg.audio_token_id
                 embeds = embeds.masked_scatter(audio_slots[..., None], audio.to(embeds.dtype))
             else:
-                embeds = embeds.view(-1, hidden_size).index_copy(0, audio_at, audio.to(embeds.dtype)).view_as(embeds)
+                embeds = (
+                    embeds.view(-1, hidden_size)
+                    .index_copy(0, audio_at, audio.to(embeds.dtype))
+                    .view_as(embeds)
+                )
             hidden = self.model(embeds, attention)
         if slots_at is None:
             slots = hidden[ids == self.cfg.timestamp_token_id]
@@ -799,10 +829,12 @@ class Qwen3ForcedAligner:
         while size <= max_batch:
             rates = [(SAMPLE_RATE, 24_000)[i % 2] for i in range(size)]
             seconds = [1.5 + 0.75 * (i % 3) for i in range(size)]
-            self.align([
-                (np.zeros(int(rate * length), np.float32), rate, "warming up the aligner", "English")
-                for rate, length in zip(rates, seconds, strict=True)
-            ])
+            self.align(
+                [
+                    (np.zeros(int(rate * length), np.float32), rate, "warming up the aligner", "English")
+                    for rate, length in zip(rates, seconds, strict=True)
+                ]
+            )
             size *= 2
         tower = self.model.audio_tower
         if not tower.steady_shapes:
@@ -810,8 +842,11 @@ class Qwen3ForcedAligner:
         dtype = self.model.lm_head.weight.dtype
         count = 1
         while count <= max_chunks:
-            chunks = torch.zeros((count, self.cfg.audio.num_mel_bins, 2 * self.cfg.audio.n_window),
-                                 device=self.device, dtype=dtype)
+            chunks = torch.zeros(
+                (count, self.cfg.audio.num_mel_bins, 2 * self.cfg.audio.n_window),
+                device=self.device,
+                dtype=dtype,
+            )
             lengths = torch.zeros(count, dtype=torch.long, device=self.device)
             tower._embed_chunks(chunks, lengths, lengths == 0, True)
             count = chunk_bucket(count + 1)
@@ -838,7 +873,9 @@ class Qwen3ForcedAligner:
             rows.append(row)
         return rows
 
-    def _launch(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> tuple[torch.Tensor, list[int]]:
+    def _launch(
+        self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]
+    ) -> tuple[torch.Tensor, list[int]]:
         """Queue both model passes; return the slot classes (still on the device) and slots per item."""
         features, frame_counts = self.mel(waves)
         rows = self.prompt_rows(words, [int(encoder_output_length(frames)) for frames in frame_counts])
@@ -850,7 +887,11 @@ class Qwen3ForcedAligner:
             attention[index, width - len(row) :] = 1
         is_slot = ids == self.cfg.timestamp_token_id
         ids_on, attention_on, audio_at, slots_at = upload(
-            self.device, ids, attention, np.flatnonzero(ids == self.cfg.audio_token_id), np.flatnonzero(is_slot)
+            self.device,
+            ids,
+            attention,
+            np.flatnonzero(ids == self.cfg.audio_token_id),
+            np.flatnonzero(is_slot),
         )
         classes = self.model.slot_classes(
             ids_on.view(ids.shape), attention_on.view(ids.shape), features, frame_counts, audio_at, slots_at
@@ -860,7 +901,9 @@ class Qwen3ForcedAligner:
     def _slot_times(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
         flat = (classes.cpu().numpy() * self.cfg.slot_ms).tolist()  # the batch's one wait on the device
         ends = np.cumsum(slots).tolist()
-        return repair_monotonic_rows([flat[end - count : end] for count, end in zip(slots, ends, strict=True)])
+        return repair_monotonic_rows(
+            [flat[end - count : end] for count, end in zip(slots, ends, strict=True)]
+        )
 
     @torch.inference_mode()
     def slot_times_ms(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> list[list[int]]:

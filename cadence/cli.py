@@ -22,50 +22,107 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("model", None), help="Qwen3-TTS checkpoint directory")
     p.add_argument("--aligner", default=_env("aligner", None), help="Qwen3-ForcedAligner directory")
     p.add_argument("--device", default=_env("device", "auto"))
-    p.add_argument("--dtype", default=_env("dtype", "auto"), choices=("auto", "float32", "bfloat16", "fp8"),
-                   help="fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9)")
-    p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1",
-                   help="no CUDA graphs")
-    p.add_argument("--codec-overlap", action="store_true", default=_env("codec_overlap", "0") == "1",
-                   help="Code2Wav on a CUDA stream of its own, beside the next step's talker")
-    p.add_argument("--no-first-chunk-lane", dest="first_chunk_lane", action="store_false",
-                   default=_env("first_chunk_lane", "1") != "0",
-                   help="decode first chunks after the step's later Code2Wav chunks, on one stream")
-    p.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
-                   default=_env("fused_layers", "1") != "0",
-                   help="talker and code predictor layers on eager ops instead of the fused kernels")
-    p.add_argument("--scheduler", action="append", metavar="FIELD=JSON",
-                   default=(_env("scheduler", "") or "").split(),
-                   help="a setting of the Qwen3 engine's scheduler (engine.scheduler.SchedulerConfig), e.g. "
-                        "--scheduler urgent_codec_chunks=true (repeatable; the variable: space-separated)")
+    p.add_argument(
+        "--dtype",
+        default=_env("dtype", "auto"),
+        choices=("auto", "float32", "bfloat16", "fp8"),
+        help="fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9)",
+    )
+    p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1", help="no CUDA graphs")
+    p.add_argument(
+        "--codec-overlap",
+        action="store_true",
+        default=_env("codec_overlap", "0") == "1",
+        help="Code2Wav on a CUDA stream of its own, beside the next step's talker",
+    )
+    p.add_argument(
+        "--no-first-chunk-lane",
+        dest="first_chunk_lane",
+        action="store_false",
+        default=_env("first_chunk_lane", "1") != "0",
+        help="decode first chunks after the step's later Code2Wav chunks, on one stream",
+    )
+    p.add_argument(
+        "--no-fused-layers",
+        dest="fused_layers",
+        action="store_false",
+        default=_env("fused_layers", "1") != "0",
+        help="talker and code predictor layers on eager ops instead of the fused kernels",
+    )
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        metavar="FIELD=JSON",
+        default=(_env("scheduler", "") or "").split(),
+        help="a setting of the Qwen3 engine's scheduler (engine.qwen3.scheduler.SchedulerConfig), e.g. "
+        "--scheduler urgent_codec_chunks=true (repeatable; the variable: space-separated)",
+    )
     p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
-    p.add_argument("--upstream", default=_env("upstream", None),
-                   help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)")
-    p.add_argument("--upstream-streams", type=int, default=int(_env("upstream_streams", "8") or 8),
-                   help="concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs")
-    p.add_argument("--upstream-word-timestamps", action="store_true",
-                   default=_env("upstream_word_timestamps", "0") == "1",
-                   help="ask vLLM-Omni for aligned word times (server started with --forced-aligner)")
-    p.add_argument("--api-keys-file", default=_env("api_keys_file", None),
-                   help="hashed API keys, one per line (python -m gateway.auth new NAME); also CADENCE_API_KEYS")
-    p.add_argument("--allowed-origins", default=_env("allowed_origins", ""),
-                   help="comma-separated browser origins allowed to open WebSockets")
+    p.add_argument(
+        "--upstream",
+        default=_env("upstream", None),
+        help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)",
+    )
+    p.add_argument(
+        "--upstream-streams",
+        type=int,
+        default=int(_env("upstream_streams", "8") or 8),
+        help="concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs",
+    )
+    p.add_argument(
+        "--upstream-word-timestamps",
+        action="store_true",
+        default=_env("upstream_word_timestamps", "0") == "1",
+        help="ask vLLM-Omni for aligned word times (server started with --forced-aligner)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=_env("api_keys_file", None),
+        help="hashed API keys, one per line (python -m gateway.auth new NAME); also CADENCE_API_KEYS",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default=_env("allowed_origins", ""),
+        help="comma-separated browser origins allowed to open WebSockets",
+    )
     p.add_argument("--voices-dir", default=_env("voices_dir", None), help="where registered voices are kept")
-    p.add_argument("--insecure", action="store_true", default=_env("insecure", "0") == "1",
-                   help="serve a non-loopback host without API keys")
-    p.add_argument("--gpus", default=_env("gpus", None),
-                   help="'all' or N: one engine worker process per GPU behind this gateway; 0: the engine "
-                        "in this process (default: one worker for --engine qwen3 on a GPU)")
-    p.add_argument("--redis", default=_env("redis", None),
-                   help="redis://HOST:PORT/DB: share voices, quotas and control with other replicas")
-    p.add_argument("--replica-id", default=_env("replica_id", None),
-                   help="this replica's name in Redis (default: host:port)")
-    p.add_argument("--quota-sessions", type=int, default=int(_env("quota_sessions", "100") or 100),
-                   help="open WebSocket sessions per API key (across replicas with --redis)")
-    p.add_argument("--quota-utterances", type=int, default=int(_env("quota_utterances", "64") or 64),
-                   help="utterances in progress per API key")
-    p.add_argument("--quota-chars-per-minute", type=int,
-                   default=int(_env("quota_chars_per_minute", "100000") or 100000))
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env("insecure", "0") == "1",
+        help="serve a non-loopback host without API keys",
+    )
+    p.add_argument(
+        "--gpus",
+        default=_env("gpus", None),
+        help="'all' or N: one engine worker process per GPU behind this gateway; 0: the engine "
+        "in this process (default: one worker for --engine qwen3 on a GPU)",
+    )
+    p.add_argument(
+        "--redis",
+        default=_env("redis", None),
+        help="redis://HOST:PORT/DB: share voices, quotas and control with other replicas",
+    )
+    p.add_argument(
+        "--replica-id",
+        default=_env("replica_id", None),
+        help="this replica's name in Redis (default: host:port)",
+    )
+    p.add_argument(
+        "--quota-sessions",
+        type=int,
+        default=int(_env("quota_sessions", "100") or 100),
+        help="open WebSocket sessions per API key (across replicas with --redis)",
+    )
+    p.add_argument(
+        "--quota-utterances",
+        type=int,
+        default=int(_env("quota_utterances", "64") or 64),
+        help="utterances in progress per API key",
+    )
+    p.add_argument(
+        "--quota-chars-per-minute", type=int, default=int(_env("quota_chars_per_minute", "100000") or 100000)
+    )
     p.add_argument("--log-level", default=_env("log_level", "info"))
     return p
 
@@ -73,7 +130,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 def serve_main(argv: list[str]) -> int:
     args = _serve_parser().parse_args(argv)
     from cadence.engines import build_engine
-    from engine.scheduler import SchedulerConfig
+    from engine.qwen3.scheduler import SchedulerConfig
 
     try:
         SchedulerConfig().override(args.scheduler)  # a bad setting stops here, not in the engine's worker
@@ -83,21 +140,41 @@ def serve_main(argv: list[str]) -> int:
     from gateway.quotas import QuotaLimits
     from gateway.server import serve
 
-    engine = build_engine(EngineOptions(
-        name=args.engine, model=args.model, aligner=args.aligner, device=args.device,
-        dtype=args.dtype, eager=args.eager, codec_overlap=args.codec_overlap, first_chunk_lane=args.first_chunk_lane,
-        fused_layers=args.fused_layers,
-        max_streams=args.max_streams, scheduler=tuple(args.scheduler), gpus=args.gpus,
-        upstream=args.upstream, upstream_streams=args.upstream_streams,
-        upstream_word_timestamps=args.upstream_word_timestamps,
-    ))
+    engine = build_engine(
+        EngineOptions(
+            name=args.engine,
+            model=args.model,
+            aligner=args.aligner,
+            device=args.device,
+            dtype=args.dtype,
+            eager=args.eager,
+            codec_overlap=args.codec_overlap,
+            first_chunk_lane=args.first_chunk_lane,
+            fused_layers=args.fused_layers,
+            max_streams=args.max_streams,
+            scheduler=tuple(args.scheduler),
+            gpus=args.gpus,
+            upstream=args.upstream,
+            upstream_streams=args.upstream_streams,
+            upstream_word_timestamps=args.upstream_word_timestamps,
+        )
+    )
     config = GatewayConfig(
-        api_keys_file=args.api_keys_file, voices_dir=args.voices_dir,
+        api_keys_file=args.api_keys_file,
+        voices_dir=args.voices_dir,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         quota_limits=QuotaLimits(args.quota_sessions, args.quota_utterances, args.quota_chars_per_minute),
-        redis_url=args.redis, replica_id=args.replica_id or f"{args.host}:{args.port}",
+        redis_url=args.redis,
+        replica_id=args.replica_id or f"{args.host}:{args.port}",
     )
-    serve(engine, host=args.host, port=args.port, config=config, log_level=args.log_level, insecure=args.insecure)
+    serve(
+        engine,
+        host=args.host,
+        port=args.port,
+        config=config,
+        log_level=args.log_level,
+        insecure=args.insecure,
+    )
     return 0
 
 

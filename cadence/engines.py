@@ -23,7 +23,7 @@ class EngineOptions:
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks on a lane beside
     fused_layers: bool = True  # talker and code predictor layers through the fused kernels (CUDA bf16)
     max_streams: int = 256  # concurrent streams the engine admits
-    scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.scheduler.SchedulerConfig
+    scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
     upstream_word_timestamps: bool = False  # vllm-omni: the server runs --forced-aligner
@@ -61,7 +61,9 @@ def build_worker_pool(options: EngineOptions) -> Engine:
     for i in range(gpu_count(options.gpus or "1")):
         single = replace(options, gpus="0", device=device)  # in the worker: the engine itself
         gpu = ids[i] if ids and i < len(ids) else str(i)
-        specs.append(WorkerSpec(functools.partial(build_engine, single), {"CUDA_VISIBLE_DEVICES": gpu}, f"gpu{gpu}"))
+        specs.append(
+            WorkerSpec(functools.partial(build_engine, single), {"CUDA_VISIBLE_DEVICES": gpu}, f"gpu{gpu}")
+        )
     return WorkerPoolEngine(specs)
 
 
@@ -90,7 +92,7 @@ def build_engine(options: EngineOptions) -> Engine:
 
         return with_aligner(build_engine(replace(options, aligner=None)), options)
     if options.name == "espeak":
-        from engine.espeak import EspeakEngine
+        from engine.espeak.engine import EspeakEngine
 
         return EspeakEngine()
     if options.name == "null":
@@ -99,20 +101,25 @@ def build_engine(options: EngineOptions) -> Engine:
         return NullEngine()
     if options.name == "vllm-omni":
         if not options.upstream:
-            raise SystemExit("--engine vllm-omni needs --upstream URL (a vLLM-Omni server, e.g. http://host:8091)")
-        from engine.vllm_omni import VllmOmniConfig, VllmOmniEngine
+            raise SystemExit(
+                "--engine vllm-omni needs --upstream URL (a vLLM-Omni server, e.g. http://host:8091)"
+            )
+        from engine.vllm_omni.engine import VllmOmniConfig, VllmOmniEngine
 
-        return VllmOmniEngine(VllmOmniConfig(
-            upstream=options.upstream, max_streams=options.upstream_streams,
-            queue_limit=max(0, options.max_streams - options.upstream_streams),
-            word_timestamps=options.upstream_word_timestamps,
-        ))
+        return VllmOmniEngine(
+            VllmOmniConfig(
+                upstream=options.upstream,
+                max_streams=options.upstream_streams,
+                queue_limit=max(0, options.max_streams - options.upstream_streams),
+                word_timestamps=options.upstream_word_timestamps,
+            )
+        )
     if options.name == "qwen3":
         if not options.model:
             raise SystemExit("--engine qwen3 needs --model DIR (a Qwen3-TTS-12Hz checkpoint directory)")
         import torch
 
-        from engine.qwen3_engine import Qwen3Engine, Qwen3EngineConfig
+        from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
 
         device = options.device
         if device == "auto":
@@ -122,20 +129,25 @@ def build_engine(options: EngineOptions) -> Engine:
             dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
         fp8 = dtype_name == "fp8"
         if fp8:
-            from engine.models.fp8 import fp8_unsupported_reason
+            from engine.qwen3.models.fp8 import fp8_unsupported_reason
 
             reason = fp8_unsupported_reason(device)
             if reason:
                 raise SystemExit(f"--dtype fp8: {reason}")
-            dtype_name = "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
+            dtype_name = (
+                "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
+            )
         batch = min(512, options.max_streams)
         if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
             kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
         else:
             kv_budget = 2 << 30
         config = Qwen3EngineConfig(
-            max_streams=options.max_streams, max_batch=batch, enforce_eager=options.eager or device == "cpu",
-            codec_overlap=options.codec_overlap, first_chunk_lane=options.first_chunk_lane,
+            max_streams=options.max_streams,
+            max_batch=batch,
+            enforce_eager=options.eager or device == "cpu",
+            codec_overlap=options.codec_overlap,
+            first_chunk_lane=options.first_chunk_lane,
             fused_layers=options.fused_layers,
             scheduler_overrides=options.scheduler,
             kv_budget_bytes=kv_budget,
@@ -144,7 +156,7 @@ def build_engine(options: EngineOptions) -> Engine:
         )
         engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
         if fp8:  # before start(): the CUDA graphs are captured over the quantised layers
-            from engine.models.fp8 import DEFAULT_TARGETS, quantize_talker
+            from engine.qwen3.models.fp8 import DEFAULT_TARGETS, quantize_talker
 
             quantize_talker(engine.talker, DEFAULT_TARGETS)
         return engine

@@ -240,7 +240,9 @@ def run_point(
     window_end = time.perf_counter()
     text = scrape(url)  # under load, before draining
     figures = parse_engine_figures(text)
-    cpu = cpu_shares(cpu_at_start or {}, cpu_seconds(text), window_end - max(window_start, shared.start_at.value))
+    cpu = cpu_shares(
+        cpu_at_start or {}, cpu_seconds(text), window_end - max(window_start, shared.start_at.value)
+    )
     shared.stop.set()
     progress.update(task, description=f"C={concurrency}: draining")
     records: list[RequestRecord] = []
@@ -328,8 +330,11 @@ def gc_figures(start: dict[str, float], end: dict[str, float]) -> dict[str, floa
     per generation, and the longest pause in the minute before the window's end."""
     if "longest_s" not in end:
         return {}
-    out = {"gateway_gc_pause_longest_ms": round(1000 * end["longest_s"], 1),
-           "gateway_gc_pauses": 0.0, "gateway_gc_pause_total_s": 0.0}
+    out = {
+        "gateway_gc_pause_longest_ms": round(1000 * end["longest_s"], 1),
+        "gateway_gc_pauses": 0.0,
+        "gateway_gc_pause_total_s": 0.0,
+    }
     for key in sorted(end):
         kind, _, generation = key.partition("_")
         if kind not in ("count", "seconds"):
@@ -405,7 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cadence bench", description="Closed-loop concurrency sweep over /v1/stream."
     )
     p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--corpus", type=Path, default=Path("deploy/bench/corpus.jsonl"), help="JSON lines: text, frames")
+    p.add_argument(
+        "--corpus", type=Path, default=Path("deploy/bench/corpus.jsonl"), help="JSON lines: text, frames"
+    )
     p.add_argument(
         "--concurrency", default=DEFAULT_LEVELS, help=f"comma-separated C values ({DEFAULT_LEVELS})"
     )
@@ -465,7 +472,11 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
                 f"{point['stall_ms_p90']}/{point['stall_ms_p99']} ms, {point['chars_per_s']} chars/s, "
                 f"${point['usd_per_m_chars']}/M chars, errors {point['errors']}"
             )
-            stages = {k: v for k, v in point.get("engine_figures", {}).items() if k.startswith(("step_ms", "batch_"))}
+            stages = {
+                k: v
+                for k, v in point.get("engine_figures", {}).items()
+                if k.startswith(("step_ms", "batch_"))
+            }
             if stages:
                 progress.console.print(f"  engine per step: {stages}")
             cpu = {k: v for k, v in point.items() if k.endswith("_cpu_pct")}

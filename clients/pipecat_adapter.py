@@ -83,10 +83,14 @@ class CadenceTTSService(WebsocketTTSService):
             self._websocket = await self._websocket_connect(
                 self._url, additional_headers=headers, max_size=None, compression=None
             )
-            output = {"encoding": "pcm_s16le", "sample_rate": self.sample_rate or self._requested_rate,
-                      "packet_ms": 20}
-            await self._websocket.send(json.dumps({"type": "session.start", "output": output,
-                                                   **self._session_options}))
+            output = {
+                "encoding": "pcm_s16le",
+                "sample_rate": self.sample_rate or self._requested_rate,
+                "packet_ms": 20,
+            }
+            await self._websocket.send(
+                json.dumps({"type": "session.start", "output": output, **self._session_options})
+            )
             self._streams.clear()
             self._open.clear()
             await self._call_event_handler("on_connected")
@@ -114,7 +118,9 @@ class CadenceTTSService(WebsocketTTSService):
         try:
             if self._websocket is None or self._websocket.state is State.CLOSED:
                 await self._connect()
-            await self._send({"type": "speak.append", "utterance_id": context_id, "text": text, "flush": True})
+            await self._send(
+                {"type": "speak.append", "utterance_id": context_id, "text": text, "flush": True}
+            )
             self._open.add(context_id)
             await self.start_tts_usage_metrics(text)
             yield None
@@ -155,8 +161,10 @@ class CadenceTTSService(WebsocketTTSService):
             return
         await self.stop_ttfb_metrics()
         await self.append_to_audio_context(
-            context_id, TTSAudioRawFrame(audio=payload, sample_rate=self.sample_rate, num_channels=1,
-                                         context_id=context_id)
+            context_id,
+            TTSAudioRawFrame(
+                audio=payload, sample_rate=self.sample_rate, num_channels=1, context_id=context_id
+            ),
         )
 
     async def _on_message(self, message: dict[str, Any]) -> None:

@@ -149,15 +149,19 @@ class AlignerWorker:
 class AlignedStream:
     """engine.api.SynthesisStream over the wrapped engine's stream, words from the aligner."""
 
-    def __init__(self, engine: AlignedEngine, inner: SynthesisStream, request: SynthesisRequest,
-                 mode: AlignmentMode) -> None:
+    def __init__(
+        self, engine: AlignedEngine, inner: SynthesisStream, request: SynthesisRequest, mode: AlignmentMode
+    ) -> None:
         self.request_id = request.request_id
         self.inner = inner
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._tracker = AlignmentTracker(
-            request.request_id, request.language or "Auto", engine.info.sample_rate,
-            engine.worker.aligner.max_audio_s, mode,
+            request.request_id,
+            request.language or "Auto",
+            engine.info.sample_rate,
+            engine.worker.aligner.max_audio_s,
+            mode,
         )
         self._channel = ChunkChannel(self._loop)
         self._jobs: list[AlignJob] = []
@@ -171,7 +175,7 @@ class AlignedStream:
         return self._tracker.mode
 
     def set_word_alignment(self, mode: str) -> None:
-        """"sync", "async" or "off"; effective when called before the first chunk arrives."""
+        """ "sync", "async" or "off"; effective when called before the first chunk arrives."""
         if mode not in ALIGNMENT_MODES:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
         self._tracker.set_mode(mode)
@@ -242,8 +246,14 @@ class AlignedStream:
 class AlignedEngine:
     """engine.api.Engine: `inner` with its words replaced by forced-aligned ones."""
 
-    def __init__(self, inner: Engine, aligner: Aligner | Callable[[], Aligner], *,
-                 default_mode: AlignmentMode = "async", max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        inner: Engine,
+        aligner: Aligner | Callable[[], Aligner],
+        *,
+        default_mode: AlignmentMode = "async",
+        max_batch: int = 32,
+    ) -> None:
         if default_mode not in ALIGNMENT_MODES:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
         self.inner = inner
@@ -299,17 +309,25 @@ class AlignedEngine:
         extra = dict(load.extra)
         if self._worker is not None:
             stats = self._worker.stats
-            extra.update({
-                "aligner_jobs": float(stats.jobs),
-                "aligner_batches": float(stats.batches),
-                "aligner_failures": float(stats.failures),
-                "aligner_queued": float(self._worker.queued),
-                "aligner_largest_batch": float(stats.largest_batch),
-                "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
-            })
+            extra.update(
+                {
+                    "aligner_jobs": float(stats.jobs),
+                    "aligner_batches": float(stats.batches),
+                    "aligner_failures": float(stats.failures),
+                    "aligner_queued": float(self._worker.queued),
+                    "aligner_largest_batch": float(stats.largest_batch),
+                    "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
+                }
+            )
         delays = sorted(self.sync_delays_ms())
         if delays:
             extra["aligner_sync_added_ttfa_ms_p50"] = delays[len(delays) // 2]
             extra["aligner_sync_added_ttfa_ms_p95"] = delays[min(len(delays) - 1, int(0.95 * len(delays)))]
-        return EngineLoad(load.active, load.queued, load.capacity, load.queue_limit, load.ready and (
-            self._worker is not None), extra)
+        return EngineLoad(
+            load.active,
+            load.queued,
+            load.capacity,
+            load.queue_limit,
+            load.ready and (self._worker is not None),
+            extra,
+        )

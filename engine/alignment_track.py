@@ -95,14 +95,16 @@ class AlignJob:
             local1 = min(c1 - piece.offset, len(piece.segment.text))
             start = self._clip(start_s)
             end = max(start, self._clip(end_s))
-            words.append(WordTiming(
-                text=text,
-                start_sample=start,
-                end_sample=end,
-                char_start=piece.segment.source_offset(local0),
-                char_end=piece.segment.source_offset(local1 - 1) + 1,
-                source="aligner",
-            ))
+            words.append(
+                WordTiming(
+                    text=text,
+                    start_sample=start,
+                    end_sample=end,
+                    char_start=piece.segment.source_offset(local0),
+                    char_end=piece.segment.source_offset(local1 - 1) + 1,
+                    source="aligner",
+                )
+            )
         return tuple(words)
 
     def _piece_at(self, c: int) -> JobPiece | None:
@@ -129,7 +131,7 @@ class _Audio:
             self.end += len(samples)
 
     def slice(self, a: int, b: int) -> npt.NDArray[np.float32]:
-        pieces = [s[max(0, a - at):max(0, b - at)] for at, s in self._parts if at < b and at + len(s) > a]
+        pieces = [s[max(0, a - at) : max(0, b - at)] for at, s in self._parts if at < b and at + len(s) > a]
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
     def drop_before(self, sample: int) -> None:
@@ -138,8 +140,14 @@ class _Audio:
 
 
 class AlignmentTracker:
-    def __init__(self, request_id: str, language: str, sample_rate: int, max_window_s: float,
-                 mode: AlignmentMode = "async") -> None:
+    def __init__(
+        self,
+        request_id: str,
+        language: str,
+        sample_rate: int,
+        max_window_s: float,
+        mode: AlignmentMode = "async",
+    ) -> None:
         self.request_id = request_id
         self.language = language
         self.rate = sample_rate
@@ -179,7 +187,7 @@ class AlignmentTracker:
         if gap > 0:
             samples = np.concatenate((np.zeros(gap, np.float32), samples))
         elif gap < 0:
-            samples = samples[min(-gap, len(samples)):]
+            samples = samples[min(-gap, len(samples)) :]
         self._audio.append(samples)
         for word in chunk.words:
             self._note_word(word)
@@ -252,7 +260,7 @@ class AlignmentTracker:
                 j = self._next
                 while j < len(segs) and segs[j].done and not segs[j].inner_words:
                     j += 1
-                group = segs[self._next:j]
+                group = segs[self._next : j]
                 if j < len(segs) and segs[j].inner_words:
                     cut = max(self._window_start, segs[j].inner_start)
                 elif self.inner_final:
@@ -283,9 +291,17 @@ class AlignmentTracker:
         language = next((s.segment.language for s in group if s.segment.language), None) or self.language
         fallback = tuple(w for s in group for w in s.inner_words)
         job = AlignJob(
-            request_id=self.request_id, seq=len(self._jobs), audio=audio, sample_rate=self.rate, text=text,
-            language=language, pieces=tuple(pieces), window_start=self._window_start, window_end=cut,
-            fallback=fallback, urgent=self.mode == "sync",
+            request_id=self.request_id,
+            seq=len(self._jobs),
+            audio=audio,
+            sample_rate=self.rate,
+            text=text,
+            language=language,
+            pieces=tuple(pieces),
+            window_start=self._window_start,
+            window_end=cut,
+            fallback=fallback,
+            urgent=self.mode == "sync",
         )
         self._jobs.append(job)
         return job
@@ -294,7 +310,9 @@ class AlignmentTracker:
         return job.window_end - job.window_start > self.max_window
 
     def _release(self, upto: int, words: tuple[WordTiming, ...]) -> AudioChunk:
-        samples = self._audio.slice(self._released, upto) if upto > self._released else np.zeros(0, np.float32)
+        samples = (
+            self._audio.slice(self._released, upto) if upto > self._released else np.zeros(0, np.float32)
+        )
         chunk = AudioChunk(self.request_id, samples, self._released, words)
         self._released = max(self._released, upto)
         return chunk

@@ -107,7 +107,9 @@ class _Mailbox:
             self._wake_pending = True
         self._wake()
 
-    def _deliver_to_listeners(self, items: list[tuple[ChunkChannel, object]], after_batch: Callable[[], None]) -> None:
+    def _deliver_to_listeners(
+        self, items: list[tuple[ChunkChannel, object]], after_batch: Callable[[], None]
+    ) -> None:
         """Listened channels' items here and now, the others' through the loop."""
         with self._lock:  # producers one at a time, and never while the loop listens or closes
             if all(channel._listener is not None for channel, _ in items):

@@ -69,7 +69,9 @@ LOAD_PERIOD_S = 0.2  # how often a worker reports its EngineLoad
 # 512 streams: the collector's time per step 1.6-1.9 -> 0.4 ms; its longest pause ~50 -> ~30 ms)
 YOUNG_GC_THRESHOLD = 7000
 _ERRORS: dict[str, type[EngineError]] = {
-    "overloaded": Overloaded, "unknown_voice": UnknownVoice, "invalid_request": InvalidRequest,
+    "overloaded": Overloaded,
+    "unknown_voice": UnknownVoice,
+    "invalid_request": InvalidRequest,
     "invalid_audio": InvalidAudio,
 }
 
@@ -108,8 +110,12 @@ def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], lis
             wire.append(message)
             continue
         _, rid, chunk = message
-        samples = np.ascontiguousarray(chunk.samples) if chunk.samples.dtype == np.int16 else pcm16(chunk.samples)
-        wire.append(("chunk", rid, chunk.request_id, samples.size, chunk.sample_offset, chunk.words, chunk.final))
+        samples = (
+            np.ascontiguousarray(chunk.samples) if chunk.samples.dtype == np.int16 else pcm16(chunk.samples)
+        )
+        wire.append(
+            ("chunk", rid, chunk.request_id, samples.size, chunk.sample_offset, chunk.words, chunk.final)
+        )
         if samples.size:
             audio.append(samples.data.cast("B"))
     return wire, audio
@@ -128,7 +134,7 @@ def read_all(fd: int, buffers: list[memoryview]) -> None:
 def _transfer(call: Callable[[int, list[memoryview]], int], fd: int, buffers: list[memoryview]) -> None:
     start = 0
     while start < len(buffers):
-        done = call(fd, buffers[start:start + _IOV_MAX])
+        done = call(fd, buffers[start : start + _IOV_MAX])
         if not done:
             raise EOFError
         while done:
@@ -302,7 +308,9 @@ class _WorkerLoop:
             load = self.engine.load()
             # this worker process's CPU time (all its threads): the load test turns it into a share of a core
             load.extra["worker_cpu_seconds"] = time.process_time()
-            load.extra["worker_gc_frozen_objects"] = self.frozen_objects  # start-up's, kept from the collector
+            load.extra["worker_gc_frozen_objects"] = (
+                self.frozen_objects
+            )  # start-up's, kept from the collector
             self.post("load", load)
             await asyncio.sleep(LOAD_PERIOD_S)
 
@@ -439,7 +447,15 @@ class WorkerStream:
         return True
 
 
-_MEAN_FIGURES = ("step_ms_", "batch_", "ttfa_p50", "kv_utilisation", "prefill_tokens", "codec_frames", "codec_launches")
+_MEAN_FIGURES = (
+    "step_ms_",
+    "batch_",
+    "ttfa_p50",
+    "kv_utilisation",
+    "prefill_tokens",
+    "codec_frames",
+    "codec_launches",
+)
 
 
 def merge_worker_figures(figures: list[dict[str, float]]) -> dict[str, float]:
@@ -458,8 +474,9 @@ def merge_worker_figures(figures: list[dict[str, float]]) -> dict[str, float]:
 class WorkerPoolEngine:
     """An Engine that runs one engine per worker process and routes requests to the least loaded."""
 
-    def __init__(self, specs: Sequence[WorkerSpec], *, start_timeout_s: float = 600.0,
-                 restart: bool = True) -> None:
+    def __init__(
+        self, specs: Sequence[WorkerSpec], *, start_timeout_s: float = 600.0, restart: bool = True
+    ) -> None:
         if not specs:
             raise ValueError("a worker pool needs at least one worker")
         self.specs = list(specs)
@@ -506,8 +523,12 @@ class WorkerPoolEngine:
         parent, child = self._context.Pipe(duplex=True)
         widen(parent)
         widen(child)
-        process = self._context.Process(target=worker_main, args=(child, self.specs[index]),
-                                        name=f"cadence-{self.specs[index].name}", daemon=True)
+        process = self._context.Process(
+            target=worker_main,
+            args=(child, self.specs[index]),
+            name=f"cadence-{self.specs[index].name}",
+            daemon=True,
+        )
         process.start()
         child.close()
         worker = _Worker(index, process, parent, next(self._generations))
@@ -613,12 +634,20 @@ class WorkerPoolEngine:
         live = self.live_workers()
         loads = [w.load for w in live if w.load is not None]
         extra = merge_worker_figures([x.extra for x in loads])
-        extra.update({"workers_alive": float(len(live)), "workers": float(len(self.specs)),
-                      "worker_restarts": float(self.restarts)})
+        extra.update(
+            {
+                "workers_alive": float(len(live)),
+                "workers": float(len(self.specs)),
+                "worker_restarts": float(self.restarts),
+            }
+        )
         return EngineLoad(
-            active=sum(x.active for x in loads), queued=sum(x.queued for x in loads),
-            capacity=sum(x.capacity for x in loads), queue_limit=sum(x.queue_limit for x in loads),
-            ready=bool(live) and all(x.ready for x in loads), extra=extra,
+            active=sum(x.active for x in loads),
+            queued=sum(x.queued for x in loads),
+            capacity=sum(x.capacity for x in loads),
+            queue_limit=sum(x.queue_limit for x in loads),
+            ready=bool(live) and all(x.ready for x in loads),
+            extra=extra,
         )
 
     def _pick(self) -> _Worker:

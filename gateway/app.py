@@ -128,8 +128,14 @@ class Gateway:
             await websocket.close(CLOSE_POLICY, exc.message[:120])
             return
         session = WebhookSession(
-            websocket, self.engine, self.config, self.metrics, webhooks=self.webhooks,
-            key_id=principal.key_id, allowed_voices=principal.voices, quotas=quotas,
+            websocket,
+            self.engine,
+            self.config,
+            self.metrics,
+            webhooks=self.webhooks,
+            key_id=principal.key_id,
+            allowed_voices=principal.voices,
+            quotas=quotas,
         )
         self.sessions.add(session)
         try:
@@ -161,7 +167,9 @@ class Gateway:
                 self.engine_problem = None
                 continue
             self.engine_problem = self.engine_problem or "engine not ready"
-            log.error("engine %s is not ready (%s): restarting it", self.engine.info.name, self.engine_problem)
+            log.error(
+                "engine %s is not ready (%s): restarting it", self.engine.info.name, self.engine_problem
+            )
             try:
                 await self.engine.stop()
                 await self.engine.start()
@@ -176,11 +184,20 @@ class Gateway:
     async def readyz(self, request: Request) -> Response:
         load = self.engine.load()
         ready = self.ready and load.ready and not self.closing
-        body = {"ready": ready, "engine": self.engine.info.name, "active": load.active, "queued": load.queued,
-                "capacity": load.capacity, "engine_restarts": self.engine_restarts}
+        body = {
+            "ready": ready,
+            "engine": self.engine.info.name,
+            "active": load.active,
+            "queued": load.queued,
+            "capacity": load.capacity,
+            "engine_restarts": self.engine_restarts,
+        }
         if not ready:
-            body["reason"] = ("shutting down" if self.closing else self.engine_problem
-                              or ("starting" if not self.ready else "engine not ready"))
+            body["reason"] = (
+                "shutting down"
+                if self.closing
+                else self.engine_problem or ("starting" if not self.ready else "engine not ready")
+            )
         return JSONResponse(body, 200 if ready else 503)
 
     async def metrics_page(self, request: Request) -> Response:
@@ -194,18 +211,27 @@ class Gateway:
         load = self.engine.load()
         ttfa_ms, ttfa_count = self.ttfa_window.p50_ms()
         utterances = self.metrics.registry.get_sample_value("cadence_active_utterances") or 0.0
-        return JSONResponse({
-            "engine": {
-                "name": self.engine.info.name, "model": self.engine.info.model, "ready": load.ready,
-                "active": load.active, "queued": load.queued, "capacity": load.capacity,
-                "queue_limit": load.queue_limit,
-                "figures": {k: v for k, v in load.extra.items() if math.isfinite(v)},  # JSON has no NaN
-            },
-            "gateway": {
-                "sessions": len(self.sessions), "utterances": int(utterances),
-                "ttfa_p50_ms": ttfa_ms, "ttfa_utterances_1m": ttfa_count, "engine_restarts": self.engine_restarts,
-            },
-        })
+        return JSONResponse(
+            {
+                "engine": {
+                    "name": self.engine.info.name,
+                    "model": self.engine.info.model,
+                    "ready": load.ready,
+                    "active": load.active,
+                    "queued": load.queued,
+                    "capacity": load.capacity,
+                    "queue_limit": load.queue_limit,
+                    "figures": {k: v for k, v in load.extra.items() if math.isfinite(v)},  # JSON has no NaN
+                },
+                "gateway": {
+                    "sessions": len(self.sessions),
+                    "utterances": int(utterances),
+                    "ttfa_p50_ms": ttfa_ms,
+                    "ttfa_utterances_1m": ttfa_count,
+                    "engine_restarts": self.engine_restarts,
+                },
+            }
+        )
 
     async def index(self, request: Request) -> Response:
         if WEB_PAGE.is_file():
@@ -213,12 +239,14 @@ class Gateway:
         return PlainTextResponse("Cadence gateway: WS /v1/stream, POST /v1/audio/speech\n")
 
 
-def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authenticator | None = None) -> Starlette:
+def create_app(
+    engine: Engine, config: GatewayConfig | None = None, auth: Authenticator | None = None
+) -> Starlette:
     gateway = Gateway(engine, config or GatewayConfig(), auth)
     twilio = TwilioGateway(engine, gateway.config, gateway.webhooks)
     cluster = None
-    if gateway.config.redis_url:  # replicas sharing voices, quotas and control (gateway.redis_state)
-        from gateway.redis_state import Cluster
+    if gateway.config.redis_url:  # replicas sharing voices, quotas and control (gateway.cluster.state)
+        from gateway.cluster.state import Cluster
 
         cluster = Cluster(gateway, gateway.config.redis_url, gateway.config.replica_id, twilio=twilio)
 
@@ -246,7 +274,11 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
     voices_collection, voices_item = make_voice_endpoints(gateway.voices)
     routes = [
         WebSocketRoute("/v1/stream", gateway.stream),
-        Route("/v1/audio/speech", make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas_for), methods=["POST"]),
+        Route(
+            "/v1/audio/speech",
+            make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas_for),
+            methods=["POST"],
+        ),
         Route("/v1/tokens", make_token_endpoint(gateway.auth), methods=["POST"]),
         Route("/v1/voices", voices_collection, methods=["GET", "POST"]),
         Route("/v1/voices/{voice_id}", voices_item, methods=["GET", "DELETE"]),
@@ -259,7 +291,9 @@ def create_app(engine: Engine, config: GatewayConfig | None = None, auth: Authen
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AuthMiddleware, auth=gateway.auth)])
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=[Middleware(AuthMiddleware, auth=gateway.auth)]
+    )
     app.state.gateway = gateway
     app.state.twilio = twilio
     return app

@@ -104,7 +104,7 @@ def parse_key_line(line: str) -> StoredKey:
 def _key_id_of(presented: str) -> str | None:
     if not presented.startswith(KEY_PREFIX):
         return None
-    key_id, sep, _ = presented[len(KEY_PREFIX):].partition("_")  # ids hold no "_"; secrets may
+    key_id, sep, _ = presented[len(KEY_PREFIX) :].partition("_")  # ids hold no "_"; secrets may
     return key_id if sep and key_id else None
 
 
@@ -122,7 +122,9 @@ class KeyStore:
             lines += Path(path).read_text().splitlines()
         if env_value:
             lines += env_value.split(",")
-        return cls(parse_key_line(line) for line in lines if line.strip() and not line.lstrip().startswith("#"))
+        return cls(
+            parse_key_line(line) for line in lines if line.strip() and not line.lstrip().startswith("#")
+        )
 
     @property
     def enabled(self) -> bool:
@@ -158,13 +160,17 @@ class TokenSigner:
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret or secrets.token_bytes(32)
 
-    def mint(self, principal: Principal, ttl_s: float, voices: Iterable[str] | None, now: float | None = None) -> str:
+    def mint(
+        self, principal: Principal, ttl_s: float, voices: Iterable[str] | None, now: float | None = None
+    ) -> str:
         now = time.time() if now is None else now
         scope = sorted(set(voices)) if voices is not None else None
         if principal.voices is not None:  # a token never widens the scope it was minted under
             scope = sorted(set(scope or principal.voices) & principal.voices)
-        payload = json.dumps({"k": principal.key_id, "v": scope, "exp": int(now + ttl_s),
-                              "n": secrets.token_hex(4)}, separators=(",", ":")).encode()
+        payload = json.dumps(
+            {"k": principal.key_id, "v": scope, "exp": int(now + ttl_s), "n": secrets.token_hex(4)},
+            separators=(",", ":"),
+        ).encode()
         return f"{_b64(payload)}.{_b64(self._sign(payload))}"
 
     def verify(self, token: str, now: float | None = None) -> Principal:
@@ -196,7 +202,9 @@ def bearer(headers: dict[str, str]) -> str | None:
     return credential.strip() or None if scheme.lower() == "bearer" else None
 
 
-def origin_allowed(origin: str | None, host: str | None, allowed: Iterable[str], scheme: str = "http") -> bool:
+def origin_allowed(
+    origin: str | None, host: str | None, allowed: Iterable[str], scheme: str = "http"
+) -> bool:
     """Non-browser clients send no Origin; a browser's must be listed, or the gateway's own."""
     if origin is None:
         return True
@@ -247,8 +255,11 @@ CLOSE_POLICY = 1008
 
 
 def _unauthorized(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": "unauthorized"}},
-                        401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": "unauthorized"}},
+        401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 class AuthMiddleware:
@@ -310,8 +321,11 @@ def make_token_endpoint(auth: Authenticator, default_ttl_s: float = 300.0) -> An
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 1 <= ttl <= MAX_TOKEN_TTL_S:
             return _bad(f"`ttl_s` must be a number of seconds from 1 to {MAX_TOKEN_TTL_S}")
         voices = body.get("voices")
-        if voices is not None and (not isinstance(voices, list) or len(voices) > 100
-                                   or not all(isinstance(v, str) and 0 < len(v) <= 128 for v in voices)):
+        if voices is not None and (
+            not isinstance(voices, list)
+            or len(voices) > 100
+            or not all(isinstance(v, str) and 0 < len(v) <= 128 for v in voices)
+        ):
             return _bad("`voices` must be a list of at most 100 voice names")
         now = time.time()
         token = auth.signer.mint(principal, float(ttl), voices, now)
@@ -321,8 +335,9 @@ def make_token_endpoint(auth: Authenticator, default_ttl_s: float = 300.0) -> An
 
 
 def _bad(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": "invalid_message"}},
-                        400)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_message"}}, 400
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,7 @@ class GatewayConfig:
     # user, whom the engine's own admission control limits)
     quota_anonymous: bool = False
     # several replicas: Redis shares voices, quotas, the live-utterance directory and control
-    # (gateway.redis_state); None = everything stays in this process
+    # (gateway.cluster.state); None = everything stays in this process
     redis_url: str | None = None
     replica_id: str = "local"  # this replica's name in Redis (unique per replica)
 
@@ -109,7 +109,9 @@ class GatewayConfig:
         if self.realtime_lead_ms < 0:
             raise ValueError("realtime_lead_ms must not be negative")
         if not 0 < self.pacing_tick_ms <= max(self.realtime_lead_ms, 20):
-            raise ValueError("pacing_tick_ms must be positive and at most realtime_lead_ms (20 if the lead is shorter)")
+            raise ValueError(
+                "pacing_tick_ms must be positive and at most realtime_lead_ms (20 if the lead is shorter)"
+            )
         if not 0 <= self.send_queue_low < self.send_queue_high:
             raise ValueError("send_queue_low must be in [0, send_queue_high)")
         if self.drain_timeout_s < 0:

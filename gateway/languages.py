@@ -31,12 +31,30 @@ from typing import Final
 
 # the ten Qwen3-TTS languages, by the names the engines take
 LANGUAGE_NAMES: Final = (
-    "Chinese", "English", "Japanese", "Korean", "German", "French", "Russian", "Portuguese", "Spanish", "Italian",
+    "Chinese",
+    "English",
+    "Japanese",
+    "Korean",
+    "German",
+    "French",
+    "Russian",
+    "Portuguese",
+    "Spanish",
+    "Italian",
 )
 CODES: Final[dict[str, str]] = {
-    "zh": "Chinese", "en": "English", "ja": "Japanese", "ko": "Korean", "de": "German",
-    "fr": "French", "ru": "Russian", "pt": "Portuguese", "es": "Spanish", "it": "Italian",
-    "cmn": "Chinese", "jp": "Japanese",
+    "zh": "Chinese",
+    "en": "English",
+    "ja": "Japanese",
+    "ko": "Korean",
+    "de": "German",
+    "fr": "French",
+    "ru": "Russian",
+    "pt": "Portuguese",
+    "es": "Spanish",
+    "it": "Italian",
+    "cmn": "Chinese",
+    "jp": "Japanese",
 }
 MAX_TAG_CHARS: Final = 24
 _TAG: Final = re.compile(r"<(/?)([A-Za-z]{2,12})(?:[-_][A-Za-z0-9]{1,8})?>")
@@ -176,7 +194,12 @@ def _script_counts(text: str) -> tuple[int, int, int, int, int]:
             kana += 1
         elif 0xAC00 <= code <= 0xD7AF or 0x1100 <= code <= 0x11FF or 0x3130 <= code <= 0x318F:
             hangul += 1
-        elif 0x4E00 <= code <= 0x9FFF or 0x3400 <= code <= 0x4DBF or 0xF900 <= code <= 0xFAFF or code >= 0x20000:
+        elif (
+            0x4E00 <= code <= 0x9FFF
+            or 0x3400 <= code <= 0x4DBF
+            or 0xF900 <= code <= 0xFAFF
+            or code >= 0x20000
+        ):
             han += 1
         elif 0x0400 <= code <= 0x04FF:
             cyrillic += 1

@@ -251,7 +251,13 @@ class SessionEnded(TypedDict):
 
 
 ServerMessage = (
-    SessionStarted | UtteranceStarted | Words | UtteranceDone | UtteranceInterrupted | ErrorMessage | SessionEnded
+    SessionStarted
+    | UtteranceStarted
+    | Words
+    | UtteranceDone
+    | UtteranceInterrupted
+    | ErrorMessage
+    | SessionEnded
 )
 
 

@@ -28,12 +28,18 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttfa = Histogram(
-            "cadence_ttfa_seconds", "Time from an utterance's first text to its first packet sent",
-            ["endpoint"], buckets=_TTFA_BUCKETS, registry=r,
+            "cadence_ttfa_seconds",
+            "Time from an utterance's first text to its first packet sent",
+            ["endpoint"],
+            buckets=_TTFA_BUCKETS,
+            registry=r,
         )
         self.rtf = Histogram(
-            "cadence_rtf", "Synthesis wall time over audio duration, per utterance",
-            ["endpoint"], buckets=_RTF_BUCKETS, registry=r,
+            "cadence_rtf",
+            "Synthesis wall time over audio duration, per utterance",
+            ["endpoint"],
+            buckets=_RTF_BUCKETS,
+            registry=r,
         )
         self.active_sessions = Gauge("cadence_active_sessions", "Open WebSocket sessions", registry=r)
         self.active_utterances = Gauge("cadence_active_utterances", "Utterances in progress", registry=r)
@@ -43,17 +49,22 @@ class GatewayMetrics:
         self.errors = Counter("cadence_errors", "Error messages and responses, by code", ["code"], registry=r)
         self.utterances = Counter("cadence_utterances", "Utterances opened", ["endpoint"], registry=r)
         self.packets = Counter("cadence_packets_sent", "Audio packets sent on /v1/stream", registry=r)
-        self.engine_restarts = Counter("cadence_engine_restarts", "Engine restarts after it stopped being ready",
-                                       registry=r)
-        self.session_queue_bytes = Gauge("cadence_session_queue_bytes", "Bytes queued to send, all sessions",
-                                         registry=r)
-        self.session_queue_bytes_max = Gauge("cadence_session_queue_bytes_max", "Bytes queued to send, "
-                                             "the fullest session", registry=r)
+        self.engine_restarts = Counter(
+            "cadence_engine_restarts", "Engine restarts after it stopped being ready", registry=r
+        )
+        self.session_queue_bytes = Gauge(
+            "cadence_session_queue_bytes", "Bytes queued to send, all sessions", registry=r
+        )
+        self.session_queue_bytes_max = Gauge(
+            "cadence_session_queue_bytes_max", "Bytes queued to send, the fullest session", registry=r
+        )
         self.event_loop_tasks = Gauge("cadence_event_loop_tasks", "asyncio tasks alive", registry=r)
-        self.engine_figure = Gauge("cadence_engine_figure", "Engine-specific load figures (EngineLoad.extra)",
-                                   ["name"], registry=r)
-        self.gpu_memory_peak = Gauge("cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine",
-                                     registry=r)
+        self.engine_figure = Gauge(
+            "cadence_engine_figure", "Engine-specific load figures (EngineLoad.extra)", ["name"], registry=r
+        )
+        self.gpu_memory_peak = Gauge(
+            "cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine", registry=r
+        )
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 
     def watch_gc(self, pauses: GcPauses) -> None:
@@ -88,13 +99,17 @@ class _GcPauseCollector(Collector):
         self.pauses = pauses
 
     def collect(self) -> Iterator[Metric]:
-        histogram = HistogramMetricFamily("cadence_gc_pause_seconds",
-                                          "Garbage collector pauses of the gateway's process, by generation",
-                                          labels=["generation"])
+        histogram = HistogramMetricFamily(
+            "cadence_gc_pause_seconds",
+            "Garbage collector pauses of the gateway's process, by generation",
+            labels=["generation"],
+        )
         bounds = [*(repr(b) for b in BUCKETS_S), "+Inf"]
         for generation, cumulative, total in self.pauses.histograms():
             histogram.add_metric([str(generation)], list(zip(bounds, cumulative, strict=True)), total)
         yield histogram
-        yield GaugeMetricFamily("cadence_gc_pause_longest_seconds",
-                                "The gateway's longest garbage collector pause in the last minute",
-                                value=self.pauses.longest_s())
+        yield GaugeMetricFamily(
+            "cadence_gc_pause_longest_seconds",
+            "The gateway's longest garbage collector pause in the last minute",
+            value=self.pauses.longest_s(),
+        )

@@ -80,7 +80,9 @@ class StreamResampler:
     def __init__(self, in_rate: int, out_rate: int) -> None:
         self.in_rate = in_rate
         self.out_rate = out_rate
-        self._stream = None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
+        self._stream = (
+            None if in_rate == out_rate else soxr.ResampleStream(in_rate, out_rate, 1, dtype="float32")
+        )
 
     def process(self, samples: Audio, last: bool = False) -> Audio:
         if self._stream is None and is_mono_float32(samples):
@@ -178,7 +180,17 @@ class Packet:
     (`_EncodeBatch`), so the packets that all streams make in one event-loop pass cost one numpy
     pass instead of one each."""
 
-    __slots__ = ("stream", "seq", "sample_offset", "flags", "samples", "_frame", "_head", "_audio", "_encoding")
+    __slots__ = (
+        "stream",
+        "seq",
+        "sample_offset",
+        "flags",
+        "samples",
+        "_frame",
+        "_head",
+        "_audio",
+        "_encoding",
+    )
     _frame: bytes | None  # None until a deferred packet is encoded
     _head: bytes  # a deferred packet's header, until then
     _audio: Audio  # a deferred packet's samples, until then
@@ -186,13 +198,18 @@ class Packet:
 
     def __init__(self, header: PacketHeader, payload: bytes, samples: int) -> None:
         self.stream, self.seq, self.sample_offset, self.flags = (
-            header.stream, header.seq, header.sample_offset, header.flags
+            header.stream,
+            header.seq,
+            header.sample_offset,
+            header.flags,
         )
         self.samples = samples  # samples at the output rate in the payload
         self._frame = header.pack() + payload
 
     @classmethod
-    def of_frame(cls, stream: int, seq: int, sample_offset: int, flags: int, samples: int, frame: bytes) -> Packet:
+    def of_frame(
+        cls, stream: int, seq: int, sample_offset: int, flags: int, samples: int, frame: bytes
+    ) -> Packet:
         """A packet around a frame already built."""
         packet = cls.__new__(cls)
         packet.stream, packet.seq, packet.sample_offset, packet.flags = stream, seq, sample_offset, flags
@@ -200,7 +217,9 @@ class Packet:
         return packet
 
     @classmethod
-    def deferred(cls, stream: int, seq: int, sample_offset: int, head: bytes, audio: Audio, encoding: Encoding) -> Packet:
+    def deferred(
+        cls, stream: int, seq: int, sample_offset: int, head: bytes, audio: Audio, encoding: Encoding
+    ) -> Packet:
         """A packet (not the last) whose payload is encoded from `audio` when first read. `audio` is
         not copied: like the packetiser's pending samples, it must not change after the engine
         handed it over (`Packetiser._defer_run` makes them the same way, inlined)."""
@@ -244,8 +263,10 @@ class Packet:
         return hash((self.frame, self.samples))
 
     def __repr__(self) -> str:
-        return (f"Packet(stream={self.stream}, seq={self.seq}, sample_offset={self.sample_offset}, "
-                f"flags={self.flags}, samples={self.samples}, bytes={len(self.frame) - HEADER_BYTES})")
+        return (
+            f"Packet(stream={self.stream}, seq={self.seq}, sample_offset={self.sample_offset}, "
+            f"flags={self.flags}, samples={self.samples}, bytes={len(self.frame) - HEADER_BYTES})"
+        )
 
 
 class _EncodeBatch(threading.local):
@@ -364,8 +385,13 @@ class Packetiser:
             out += self._defer_run(pending, count)
             self._pending = _EMPTY if len(pending) == whole else pending[whole:]
         if final:
-            out.append(self._make(memoryview(encode_samples(self._pending, self.format.encoding)),
-                                  len(self._pending), last=True))
+            out.append(
+                self._make(
+                    memoryview(encode_samples(self._pending, self.format.encoding)),
+                    len(self._pending),
+                    last=True,
+                )
+            )
             self._pending = _EMPTY
             self.finished = True
         return out
@@ -409,7 +435,13 @@ class Packetiser:
     def _defer_run(self, audio: Audio, count: int) -> list[Packet]:
         """`_defer` of `count` whole packets from the start of `audio`, in one loop (the hot path
         of every chunk longer than one packet)."""
-        stream, size, encoding, seq, offset = self.stream, self._size, self._encoding, self.packets, self.samples_out
+        stream, size, encoding, seq, offset = (
+            self.stream,
+            self._size,
+            self._encoding,
+            self.packets,
+            self.samples_out,
+        )
         run: list[Packet] = []
         new = Packet.__new__
         for i in range(count):  # Packet.deferred, inlined

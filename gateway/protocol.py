@@ -116,7 +116,9 @@ class Close:
     reason: str = ""
 
 
-Action = SendControl | SendAudio | SendTrailer | Purge | OpenStream | PushText | CloseText | CancelStream | Close
+Action = (
+    SendControl | SendAudio | SendTrailer | Purge | OpenStream | PushText | CloseText | CancelStream | Close
+)
 
 
 # -- state ------------------------------------------------------------------------------------
@@ -187,7 +189,9 @@ class SessionProtocol:
         self.utterances_opened = 0
         self.engine = engine
         self.config = config
-        self.output = OutputFormat(config.default_encoding, config.default_sample_rate, config.default_packet_ms)
+        self.output = OutputFormat(
+            config.default_encoding, config.default_sample_rate, config.default_packet_ms
+        )
         self.voice: str | None = None
         self.language = "Auto"
         self.instructions: str | None = None
@@ -273,7 +277,11 @@ class SessionProtocol:
         if utt is None:
             return []
         utt.opened = True
-        started: UtteranceStarted = {"type": "utterance.started", "utterance_id": utterance_id, "stream": utt.stream}
+        started: UtteranceStarted = {
+            "type": "utterance.started",
+            "utterance_id": utterance_id,
+            "stream": utt.stream,
+        }
         if utt.resumed_from is not None:
             started["resumed_from"] = utt.resumed_from
             started["text_offset"] = utt.text_offset
@@ -285,7 +293,10 @@ class SessionProtocol:
         if utt is not None:
             self._streams.pop(utt.stream, None)
             self._release_quota(utt)
-        return [self._error(error_code(exc), public_message(exc), utterance_id), *self._maybe_finish_session()]
+        return [
+            self._error(error_code(exc), public_message(exc), utterance_id),
+            *self._maybe_finish_session(),
+        ]
 
     def receive_chunk(self, utterance_id: str, chunk: AudioChunk) -> list[Action]:
         utt = self._active.get(utterance_id)
@@ -294,15 +305,21 @@ class SessionProtocol:
         out: list[Action] = []
         if chunk.words:
             rate = self.engine.sample_rate
-            new_words = [self._word(utt, w.text, w.start_sample, w.end_sample, w.char_start, w.char_end, rate)
-                         for w in chunk.words]
+            new_words = [
+                self._word(utt, w.text, w.start_sample, w.end_sample, w.char_start, w.char_end, rate)
+                for w in chunk.words
+            ]
             if self.timestamps == "word":
-                out.append(SendControl({
-                    "type": "words",
-                    "utterance_id": utterance_id,
-                    "source": chunk.words[0].source,
-                    "words": [w.to_wire() for w in new_words],
-                }))
+                out.append(
+                    SendControl(
+                        {
+                            "type": "words",
+                            "utterance_id": utterance_id,
+                            "source": chunk.words[0].source,
+                            "words": [w.to_wire() for w in new_words],
+                        }
+                    )
+                )
         samples = chunk.samples  # float32, or int16 PCM (the packetiser takes either)
         if samples.dtype != np.int16 and not is_mono_float32(samples):
             samples = np.asarray(samples, dtype=np.float32).reshape(-1)
@@ -310,7 +327,7 @@ class SessionProtocol:
         if gap > 0:  # the engine skipped samples: keep the timeline with silence
             samples = np.concatenate((np.zeros(gap, dtype=samples.dtype), samples.reshape(-1)))
         elif gap < 0:  # overlap with audio already sent: drop the repeated part
-            samples = samples[min(-gap, len(samples)):]
+            samples = samples[min(-gap, len(samples)) :]
         utt.engine_samples += len(samples)
         packets = utt.packetiser.push(samples, final=chunk.final)
         if packets:
@@ -333,8 +350,11 @@ class SessionProtocol:
             return []
         utt.status = Status.FAILED
         self._retire(utt)
-        return [Purge(utt.stream), self._error(error_code(exc), public_message(exc), utterance_id),
-                *self._maybe_finish_session()]
+        return [
+            Purge(utt.stream),
+            self._error(error_code(exc), public_message(exc), utterance_id),
+            *self._maybe_finish_session(),
+        ]
 
     def packet_sent(self, stream: int, packet: Packet, now: float) -> list[Action]:
         """`packet` and every packet of its stream before it went out (told of a run's last alone)."""
@@ -415,12 +435,16 @@ class SessionProtocol:
         if self.started:
             return []
         self.started = True
-        return [SendControl({
-            "type": "session.started",
-            "session_id": self.session_id,
-            "output": self.output.to_wire(),
-            "engine": {"name": self.engine.name, "model": self.engine.model},
-        })]
+        return [
+            SendControl(
+                {
+                    "type": "session.started",
+                    "session_id": self.session_id,
+                    "output": self.output.to_wire(),
+                    "engine": {"name": self.engine.name, "model": self.engine.model},
+                }
+            )
+        ]
 
     def _append(self, message: SpeakAppend, now: float) -> list[Action]:
         uid = message.utterance_id
@@ -439,7 +463,9 @@ class SessionProtocol:
         else:
             if len(utt.text) + len(message.text) > self.config.max_text_chars:
                 raise ProtocolError(
-                    "text_too_long", f"an utterance holds at most {self.config.max_text_chars} characters", uid
+                    "text_too_long",
+                    f"an utterance holds at most {self.config.max_text_chars} characters",
+                    uid,
                 )
             if self.quotas is not None:
                 self.quotas.take_chars(self.key_id, len(message.text), now, uid)
@@ -485,7 +511,11 @@ class SessionProtocol:
                 out.append(CancelStream(utt.utterance_id))
             out.append(Purge(utt.stream))
         played, source = played_position(
-            client_ms=client_ms, report=utt.report, first_sent_at=utt.first_sent_at, sent_ms=utt.sent_ms, now=now
+            client_ms=client_ms,
+            report=utt.report,
+            first_sent_at=utt.first_sent_at,
+            sent_ms=utt.sent_ms,
+            now=now,
         )
         cut = cut_at(utt.words, utt.text, played)
         utt.cut = cut
@@ -519,7 +549,9 @@ class SessionProtocol:
         text = source.text[offset:]
         self._check_can_open(uid, len(text), source.request.voice)
         self._take_quota(uid, len(text), now)
-        utt = self._new_utterance(uid, request=source.request, open_languages=languages_open_at(source.text, offset))
+        utt = self._new_utterance(
+            uid, request=source.request, open_languages=languages_open_at(source.text, offset)
+        )
         utt.resumed_from, utt.text_offset, utt.text = source_id, offset, text
         utt.quota_held = self.quotas is not None
         segments = utt.segmenter.feed(text) + utt.segmenter.flush()
@@ -529,7 +561,9 @@ class SessionProtocol:
     def _report(self, message: PlaybackReport, now: float) -> list[Action]:
         utt = self.utterance(message.utterance_id)
         if utt is None:
-            raise ProtocolError("unknown_utterance", f"no utterance {message.utterance_id!r}", message.utterance_id)
+            raise ProtocolError(
+                "unknown_utterance", f"no utterance {message.utterance_id!r}", message.utterance_id
+            )
         utt.report = Report(message.played_ms, now)
         return []
 
@@ -560,7 +594,9 @@ class SessionProtocol:
         if self.allowed_voices is not None and voice is not None and voice not in self.allowed_voices:
             raise ProtocolError("unauthorized", f"this token may not use voice {voice!r}", uid)
         if self.utterances_opened >= self.config.max_utterances_per_session:
-            raise QuotaExceeded(f"at most {self.config.max_utterances_per_session} utterances per session", uid)
+            raise QuotaExceeded(
+                f"at most {self.config.max_utterances_per_session} utterances per session", uid
+            )
 
     def _take_quota(self, uid: str, text_chars: int, now: float) -> None:
         """Count a new utterance against the key (in progress, characters); raises when over."""
@@ -579,7 +615,10 @@ class SessionProtocol:
             self.quotas.end_utterance(self.key_id)
 
     def _new_utterance(
-        self, uid: str, request: SynthesisRequest | None = None, open_languages: tuple[str, ...] = (),
+        self,
+        uid: str,
+        request: SynthesisRequest | None = None,
+        open_languages: tuple[str, ...] = (),
         forced_frames: int | None = None,
     ) -> Utterance:
         stream = self._allocate_stream()
@@ -601,8 +640,12 @@ class SessionProtocol:
         utt = Utterance(
             utterance_id=uid,
             stream=stream,
-            segmenter=UtteranceText(request.language, self.config.segment_max_chars,
-                                    self.config.segment_clause_min_chars, open_languages=open_languages),
+            segmenter=UtteranceText(
+                request.language,
+                self.config.segment_max_chars,
+                self.config.segment_clause_min_chars,
+                open_languages=open_languages,
+            ),
             packetiser=Packetiser(stream, self.output, self.engine.sample_rate),
             request=request,
         )
@@ -633,12 +676,17 @@ class SessionProtocol:
 
     def _generated(self, utt: Utterance) -> list[Action]:
         utt.status = Status.GENERATED
-        return [SendTrailer(utt.stream, {
-            "type": "utterance.done",
-            "utterance_id": utt.utterance_id,
-            "duration_ms": utt.packetiser.duration_ms,
-            "packets": utt.packetiser.packets,
-        })]
+        return [
+            SendTrailer(
+                utt.stream,
+                {
+                    "type": "utterance.done",
+                    "utterance_id": utt.utterance_id,
+                    "duration_ms": utt.packetiser.duration_ms,
+                    "packets": utt.packetiser.packets,
+                },
+            )
+        ]
 
     def _retire(self, utt: Utterance) -> None:
         """Move a finished utterance to the history, without the state only a live one needs."""

@@ -67,7 +67,9 @@ class SpeechRequest:
     ref_text: str | None = None
 
 
-def error_response(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 429:
         kind = "rate_limit_error"
@@ -129,7 +131,9 @@ def _reference_clip(value: object) -> tuple[npt.NDArray[np.float32], int] | None
     if value is None:
         return None
     if not isinstance(value, str):
-        raise BadRequest("invalid_audio", "`ref_audio` must be a base64 string or a data: URL of an audio file")
+        raise BadRequest(
+            "invalid_audio", "`ref_audio` must be a base64 string or a data: URL of an audio file"
+        )
     payload = value.split(",", 1)[1] if value.startswith("data:") and "," in value else value
     try:
         data = base64.b64decode(payload, validate=True)
@@ -149,7 +153,11 @@ class _Synthesis:
     """One request's audio at the REST output rate, as int16 PCM pieces."""
 
     def __init__(
-        self, stream: SynthesisStream, engine_rate: int, out_rate: int, metrics: GatewayMetrics,
+        self,
+        stream: SynthesisStream,
+        engine_rate: int,
+        out_rate: int,
+        metrics: GatewayMetrics,
         on_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.on_done = on_done
@@ -205,10 +213,14 @@ class _QuotaHold:
 
 
 def make_speech_endpoint(
-    engine: Engine, config: GatewayConfig, metrics: GatewayMetrics,
+    engine: Engine,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
     quotas_for: Callable[[Principal], Quotas | None] = lambda principal: None,
 ) -> Callable[[Request], Awaitable[Response]]:
-    def fail(status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    def fail(
+        status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         metrics.errors.labels(code).inc()
         return error_response(status, code, message, headers)
 
@@ -233,7 +245,9 @@ def make_speech_endpoint(
         try:
             hold.take(len(req.input))
         except QuotaError as exc:
-            return fail(429, exc.code, exc.message, {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))})
+            return fail(
+                429, exc.code, exc.message, {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            )
         try:
             response = await _speak(request, req, hold)
         except BaseException:
@@ -245,19 +259,23 @@ def make_speech_endpoint(
 
     async def _speak(request: Request, req: SpeechRequest, hold: _QuotaHold) -> Response:
         try:
-            stream = engine.open(SynthesisRequest(
-                request_id=f"rest-{uuid.uuid4().hex[:12]}",
-                voice=req.voice,
-                language=req.language,
-                instructions=req.instructions,
-                speed=req.speed,
-                ref_audio=req.ref_audio,
-                ref_text=req.ref_text,
-            ))
+            stream = engine.open(
+                SynthesisRequest(
+                    request_id=f"rest-{uuid.uuid4().hex[:12]}",
+                    voice=req.voice,
+                    language=req.language,
+                    instructions=req.instructions,
+                    speed=req.speed,
+                    ref_audio=req.ref_audio,
+                    ref_text=req.ref_text,
+                )
+            )
         except EngineError as exc:
             wait = retry_after_s(exc)
             if wait is not None:
-                return fail(429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))})
+                return fail(
+                    429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))}
+                )
             status = 500 if error_code(exc) == "internal" else 400
             return fail(status, error_code(exc), public_message(exc))
         metrics.utterances.labels("rest").inc()
@@ -269,15 +287,25 @@ def make_speech_endpoint(
         except EngineError as exc:
             stream.cancel()
             return fail(400, error_code(exc), public_message(exc))
-        synthesis = _Synthesis(stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release)
+        synthesis = _Synthesis(
+            stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release
+        )
         headers = {"X-Sample-Rate": str(config.rest_sample_rate)}
         release = BackgroundTask(hold.release)  # also when the client left before the first byte
         if req.sse:
-            return StreamingResponse(_sse_events(synthesis, req, metrics), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"}, background=release)
+            return StreamingResponse(
+                _sse_events(synthesis, req, metrics),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache"},
+                background=release,
+            )
         if req.response_format == "pcm":
-            return StreamingResponse(_pcm_bytes(synthesis, metrics), media_type=MEDIA_TYPES["pcm"], headers=headers,
-                                     background=release)
+            return StreamingResponse(
+                _pcm_bytes(synthesis, metrics),
+                media_type=MEDIA_TYPES["pcm"],
+                headers=headers,
+                background=release,
+            )
         try:
             pcm = b"".join([piece async for piece, _ in synthesis.pieces()])
         except EngineError as exc:
@@ -300,7 +328,9 @@ async def _pcm_bytes(synthesis: _Synthesis, metrics: GatewayMetrics) -> AsyncIte
         log.warning("speech stream failed: %s", exc)
 
 
-async def _sse_events(synthesis: _Synthesis, req: SpeechRequest, metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+async def _sse_events(
+    synthesis: _Synthesis, req: SpeechRequest, metrics: GatewayMetrics
+) -> AsyncIterator[bytes]:
     rate = synthesis.engine_rate
     index = 0
     try:
@@ -308,9 +338,16 @@ async def _sse_events(synthesis: _Synthesis, req: SpeechRequest, metrics: Gatewa
             if req.timestamps and chunk.words:
                 words = []
                 for w in chunk.words:
-                    words.append({"index": index, "text": w.text, "start_ms": round(w.start_sample * 1000 / rate),
-                                  "end_ms": round(w.end_sample * 1000 / rate), "char_start": w.char_start,
-                                  "char_end": w.char_end})
+                    words.append(
+                        {
+                            "index": index,
+                            "text": w.text,
+                            "start_ms": round(w.start_sample * 1000 / rate),
+                            "end_ms": round(w.end_sample * 1000 / rate),
+                            "char_start": w.char_start,
+                            "char_end": w.char_end,
+                        }
+                    )
                     index += 1
                 yield _sse({"type": "speech.audio.words", "words": words})
             if piece:
@@ -318,12 +355,16 @@ async def _sse_events(synthesis: _Synthesis, req: SpeechRequest, metrics: Gatewa
     except EngineError as exc:
         code = error_code(exc)
         metrics.errors.labels(code).inc()
-        yield _sse({"type": "error", "error": {"message": public_message(exc), "type": "server_error", "code": code}})
+        yield _sse(
+            {"type": "error", "error": {"message": public_message(exc), "type": "server_error", "code": code}}
+        )
         return
     duration_ms = round(synthesis.samples_out * 1000 / synthesis.out_rate)
-    yield _sse({
-        "type": "speech.audio.done",
-        "duration_ms": duration_ms,
-        "sample_rate": synthesis.out_rate,
-        "usage": {"input_characters": len(req.input)},
-    })
+    yield _sse(
+        {
+            "type": "speech.audio.done",
+            "duration_ms": duration_ms,
+            "sample_rate": synthesis.out_rate,
+            "usage": {"input_characters": len(req.input)},
+        }
+    )

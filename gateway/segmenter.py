@@ -93,8 +93,9 @@ class Segmenter:
             offsets, self._offsets = self._offsets[:end], self._offsets[end:]
             if piece.strip():
                 contiguous = offsets[-1] - offsets[0] == len(offsets) - 1
-                out.append(TextSegment(piece, char_start=offsets[0],
-                                       char_map=None if contiguous else tuple(offsets)))
+                out.append(
+                    TextSegment(piece, char_start=offsets[0], char_map=None if contiguous else tuple(offsets))
+                )
         return out
 
     def _next_boundary(self, final: bool) -> int | None:

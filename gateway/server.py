@@ -38,10 +38,14 @@ def check_exposure(host: str, auth_enabled: bool, insecure: bool) -> str:
     """The start-up line about who can reach the server; raises SystemExit for an open server on
     a non-loopback address unless `insecure` was asked for."""
     if auth_enabled:
-        return f"API keys configured: every endpoint but /, /healthz and /readyz needs a key or token ({host})"
+        return (
+            f"API keys configured: every endpoint but /, /healthz and /readyz needs a key or token ({host})"
+        )
     if is_loopback(host):
-        return (f"no API keys configured: open to anyone on this machine, listening on loopback {host} only "
-                "(set CADENCE_API_KEYS or --api-keys-file to serve other hosts)")
+        return (
+            f"no API keys configured: open to anyone on this machine, listening on loopback {host} only "
+            "(set CADENCE_API_KEYS or --api-keys-file to serve other hosts)"
+        )
     if not insecure:
         raise SystemExit(
             f"refusing to serve {host} without API keys: anyone who can reach it could use the engine. "
@@ -78,8 +82,14 @@ class DirectFrameWriter:
     def open(self) -> bool:
         """Data frames may go out: accepted, no close sent or received, the peer still there."""
         p = self._protocol
-        return (p.handshake_complete and not p.close_sent and not p.disconnected and p.initial_response is None
-                and p.conn.state is State.OPEN and not p.transport.is_closing())
+        return (
+            p.handshake_complete
+            and not p.close_sent
+            and not p.disconnected
+            and p.initial_response is None
+            and p.conn.state is State.OPEN
+            and not p.transport.is_closing()
+        )
 
     @property
     def writable(self) -> bool:
@@ -115,7 +125,9 @@ class LenientTextProtocol(WebSocketsSansIOProtocol):
                 data.decode()
             except UnicodeDecodeError:
                 self.frames = []
-                self.queue.put_nowait({"type": "websocket.receive", "text": data.decode("utf-8", "surrogateescape")})
+                self.queue.put_nowait(
+                    {"type": "websocket.receive", "text": data.decode("utf-8", "surrogateescape")}
+                )
                 if not self.read_paused:
                     self.read_paused = True
                     self.transport.pause_reading()
@@ -188,8 +200,15 @@ class GatewayServer(uvicorn.Server):
 
 
 def build_server(
-    engine: Engine, host: str = "127.0.0.1", port: int = 8000, config: GatewayConfig | None = None,
-    *, auth: Authenticator | None = None, insecure: bool = False, freeze_gc: bool = False, **uvicorn_options: Any,
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config: GatewayConfig | None = None,
+    *,
+    auth: Authenticator | None = None,
+    insecure: bool = False,
+    freeze_gc: bool = False,
+    **uvicorn_options: Any,
 ) -> GatewayServer:
     """The server; `freeze_gc` (a process of its own: `serve`) settles the garbage collector once started."""
     config = config or GatewayConfig()
@@ -214,8 +233,12 @@ def build_server(
 
 
 def serve(
-    engine: Engine, host: str = "127.0.0.1", port: int = 8000, config: GatewayConfig | None = None,
-    log_level: str = "info", insecure: bool = False,
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config: GatewayConfig | None = None,
+    log_level: str = "info",
+    insecure: bool = False,
 ) -> None:
     """Serve until SIGINT / SIGTERM."""
     build_server(engine, host, port, config, insecure=insecure, freeze_gc=True, log_level=log_level).run()

@@ -85,7 +85,9 @@ class Pacer:
     (GatewayConfig: paced audio, an engine ahead of real time, goes at most that often), and every
     session whose audio is due by a tick is pumped at that tick."""
 
-    _of_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = weakref.WeakKeyDictionary()
+    _of_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> Pacer:
@@ -265,7 +267,12 @@ class Session:
         self.session_id = session_id or uuid.uuid4().hex[:16]
         self._loop = asyncio.get_running_loop()
         self.protocol = SessionProtocol(
-            self.session_id, engine.info, config, key_id=key_id, allowed_voices=allowed_voices, quotas=quotas,
+            self.session_id,
+            engine.info,
+            config,
+            key_id=key_id,
+            allowed_voices=allowed_voices,
+            quotas=quotas,
             now=self._loop.time(),
         )
         scope = getattr(websocket, "scope", None) or {}
@@ -661,8 +668,12 @@ class Session:
         self._streams[action.utterance_id] = stream
         self.metrics.utterances.labels("stream").inc()
         uid = action.utterance_id
-        listener = StreamListener(functools.partial(self._take_chunk, uid), functools.partial(self._stream_ended, uid),
-                                  functools.partial(self._stream_failed, uid), self.queue.writable)
+        listener = StreamListener(
+            functools.partial(self._take_chunk, uid),
+            functools.partial(self._stream_ended, uid),
+            functools.partial(self._stream_failed, uid),
+            self.queue.writable,
+        )
         if listen(stream, listener):
             self._listeners[uid] = listener
         else:
@@ -687,7 +698,9 @@ class Session:
             return
         started = self._first_text_at.pop(message["utterance_id"], None)
         if started is not None and message["duration_ms"] > 0:
-            self.metrics.rtf.labels("stream").observe((self._loop.time() - started) / (message["duration_ms"] / 1000))
+            self.metrics.rtf.labels("stream").observe(
+                (self._loop.time() - started) / (message["duration_ms"] / 1000)
+            )
 
     def _count_active(self) -> None:
         active = self.protocol.active_count

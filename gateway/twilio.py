@@ -61,7 +61,7 @@ BargeInBy = Literal["caller", "agent"]
 
 class AgentSink(Protocol):
     """Where a call's events for its agent go: the agent's WebSocket, or a link to the replica
-    that holds it (gateway.redis_calls)."""
+    that holds it (gateway.cluster.calls)."""
 
     async def send_text(self, data: str) -> None: ...
 
@@ -71,7 +71,7 @@ AgentFrame = str | bytes | None  # a text or binary frame from the agent; None: 
 
 class CallRouter(Protocol):
     """With several replicas: the call directory and the relay of a control channel that lands on
-    a replica other than the one holding the call's media stream (gateway.redis_calls)."""
+    a replica other than the one holding the call's media stream (gateway.cluster.calls)."""
 
     def call_started(self, call_sid: str) -> None: ...
 
@@ -98,7 +98,11 @@ class TwilioOptions:
                 with contextlib.suppress(TypeError, ValueError):
                     changes[name] = kind(params[name])
         if "barge_in_on_speech" in params:
-            changes["barge_in_on_speech"] = str(params["barge_in_on_speech"]).lower() not in ("0", "false", "no")
+            changes["barge_in_on_speech"] = str(params["barge_in_on_speech"]).lower() not in (
+                "0",
+                "false",
+                "no",
+            )
         return replace(self, **changes)
 
 
@@ -189,7 +193,12 @@ class Call:
     utterances being spoken on the line, in order."""
 
     def __init__(
-        self, call_sid: str, engine: Engine, config: GatewayConfig, options: TwilioOptions, webhooks: WebhookSender
+        self,
+        call_sid: str,
+        engine: Engine,
+        config: GatewayConfig,
+        options: TwilioOptions,
+        webhooks: WebhookSender,
     ) -> None:
         self.call_sid = call_sid
         self.engine = engine
@@ -223,7 +232,9 @@ class Call:
         self.start_info = dict(start)
         params = start.get("customParameters") or {}
         self.options = self.options.with_parameters(params)
-        self.vad = EnergyVad(self.options.vad_threshold_dbfs, self.options.vad_attack_ms, self.options.vad_hang_ms)
+        self.vad = EnergyVad(
+            self.options.vad_threshold_dbfs, self.options.vad_attack_ms, self.options.vad_hang_ms
+        )
         self.voice = params.get("voice") or self.voice
         self.language = params.get("language") or self.language
         url = params.get("webhook_url")
@@ -256,7 +267,9 @@ class Call:
         if media.get("track", "inbound") not in ("inbound", "inbound_track"):
             return
         try:
-            codes = np.frombuffer(base64.b64decode(str(media.get("payload", "")), validate=True), dtype=np.uint8)
+            codes = np.frombuffer(
+                base64.b64decode(str(media.get("payload", "")), validate=True), dtype=np.uint8
+            )
         except (binascii.Error, ValueError):
             return
         change = self.vad.feed(mulaw_decode(codes))
@@ -309,7 +322,9 @@ class Call:
                 return utt
         return None
 
-    def _twilio_message(self, event: str, payload: bytes | None = None, name: str | None = None) -> dict[str, Any]:
+    def _twilio_message(
+        self, event: str, payload: bytes | None = None, name: str | None = None
+    ) -> dict[str, Any]:
         message: dict[str, Any] = {"event": event, "streamSid": self.stream_sid}
         if payload is not None:
             message["media"] = {"payload": base64.b64encode(payload).decode("ascii")}
@@ -323,14 +338,21 @@ class Call:
             utt.first_sent_at = self.loop.time()
         utt.sent_samples = packet.end_sample
         out = []
-        while utt.next_mark < len(utt.words) and (packet.last or utt.word_ends[utt.next_mark] <= packet.end_sample):
+        while utt.next_mark < len(utt.words) and (
+            packet.last or utt.word_ends[utt.next_mark] <= packet.end_sample
+        ):
             out.append(self._mark(utt, utt.next_mark, packet.end_sample))
             utt.next_mark += 1
         if packet.last:
             out.append(self._mark(utt, None, packet.end_sample))
             utt.all_sent = True
-            self.to_agent({"type": "utterance.done", "utterance_id": utt.utterance_id,
-                           "duration_ms": utt.packetiser.duration_ms})
+            self.to_agent(
+                {
+                    "type": "utterance.done",
+                    "utterance_id": utt.utterance_id,
+                    "duration_ms": utt.packetiser.duration_ms,
+                }
+            )
         return out
 
     def _mark(self, utt: PhoneUtterance, index: int | None, position: int) -> dict[str, Any]:
@@ -374,7 +396,9 @@ class Call:
         played = self._played_samples(utt, now)
         played_ms = played * 1000 // RATE
         last = utt.words[utt.heard_index] if utt.heard_index >= 0 else None
-        partial = next((w for w in utt.words[utt.heard_index + 1:] if w.start_ms <= played_ms < w.end_ms), None)
+        partial = next(
+            (w for w in utt.words[utt.heard_index + 1 :] if w.start_ms <= played_ms < w.end_ms), None
+        )
         split = last.char_end if last is not None else 0
         return {
             "type": "utterance.interrupted",
@@ -393,7 +417,9 @@ class Call:
         last mark's return (or from the first frame sent), capped at the next mark's place."""
         if utt.first_sent_at is None:
             return 0
-        base, since = (utt.heard_samples, utt.heard_at) if utt.heard_at is not None else (0, utt.first_sent_at)
+        base, since = (
+            (utt.heard_samples, utt.heard_at) if utt.heard_at is not None else (0, utt.first_sent_at)
+        )
         cap = min([m.position for m in self._marks.values() if m.utterance is utt] + [utt.sent_samples])
         estimate = base + int(max(0.0, now - since) * RATE)
         return max(base, min(estimate, cap))
@@ -447,7 +473,9 @@ class Call:
             elif isinstance(message, SessionEnd):
                 self.detach_agent()
             else:
-                raise ProtocolError("unknown_type", f"{message.type} is not offered on the Twilio control channel")
+                raise ProtocolError(
+                    "unknown_type", f"{message.type} is not offered on the Twilio control channel"
+                )
         except ProtocolError as exc:
             self._error(exc.code, exc.message, exc.utterance_id)
 
@@ -486,12 +514,20 @@ class Call:
             utt.stream.close_text()
 
     def _open(self, uid: str) -> PhoneUtterance | None:
-        request = SynthesisRequest(request_id=f"twilio/{self.call_sid}/{uid}", voice=self.voice,
-                                   language=self.language, instructions=self.instructions)
+        request = SynthesisRequest(
+            request_id=f"twilio/{self.call_sid}/{uid}",
+            voice=self.voice,
+            language=self.language,
+            instructions=self.instructions,
+        )
         rate = self.engine.info.sample_rate
-        utt = PhoneUtterance(uid, request, Segmenter(self.config.segment_max_chars,
-                                                     self.config.segment_clause_min_chars),
-                             Packetiser(0, OutputFormat("mulaw", RATE, FRAME_MS), rate), rate)
+        utt = PhoneUtterance(
+            uid,
+            request,
+            Segmenter(self.config.segment_max_chars, self.config.segment_clause_min_chars),
+            Packetiser(0, OutputFormat("mulaw", RATE, FRAME_MS), rate),
+            rate,
+        )
         try:
             utt.stream = self.engine.open(request)
         except Exception as exc:
@@ -534,14 +570,26 @@ class Call:
     def _take_chunk(self, utt: PhoneUtterance, chunk: AudioChunk) -> None:
         new_words = []
         for timing in chunk.words:
-            word = Word(len(utt.words), timing.text, round(timing.start_sample * 1000 / utt.engine_rate),
-                        round(timing.end_sample * 1000 / utt.engine_rate), timing.char_start, timing.char_end)
+            word = Word(
+                len(utt.words),
+                timing.text,
+                round(timing.start_sample * 1000 / utt.engine_rate),
+                round(timing.end_sample * 1000 / utt.engine_rate),
+                timing.char_start,
+                timing.char_end,
+            )
             utt.words.append(word)
             utt.word_ends.append(timing.end_sample * RATE // utt.engine_rate)
             new_words.append(word.to_wire())
         if new_words:
-            self.to_agent({"type": "words", "utterance_id": utt.utterance_id, "source": chunk.words[0].source,
-                           "words": new_words})
+            self.to_agent(
+                {
+                    "type": "words",
+                    "utterance_id": utt.utterance_id,
+                    "source": chunk.words[0].source,
+                    "words": new_words,
+                }
+            )
         samples = float_samples(chunk.samples)
         self._add_packets(utt, utt.packetiser.push(samples, final=chunk.final))
 
@@ -581,8 +629,13 @@ class TwilioGateway:
     (several replicas behind one front) the call directory is kept in Redis and a control channel
     for a call held elsewhere is relayed to its owner."""
 
-    def __init__(self, engine: Engine, config: GatewayConfig, webhooks: WebhookSender,
-                 options: TwilioOptions | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: GatewayConfig,
+        webhooks: WebhookSender,
+        options: TwilioOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.config = config
         self.webhooks = webhooks
@@ -629,7 +682,9 @@ class TwilioGateway:
                 if call is None:
                     if message.get("event") != "start":
                         continue  # `connected` (and anything before start)
-                    call_sid = str((message.get("start") or {}).get("callSid") or message.get("streamSid") or "")
+                    call_sid = str(
+                        (message.get("start") or {}).get("callSid") or message.get("streamSid") or ""
+                    )
                     call = self._call(call_sid)
                     if call.twilio is not None:
                         call = None
@@ -679,7 +734,9 @@ class TwilioGateway:
                 with contextlib.suppress(Exception):
                     await websocket.close()
 
-    async def run_agent(self, call: Call, sink: AgentSink, next_frame: Callable[[], Awaitable[AgentFrame]]) -> None:
+    async def run_agent(
+        self, call: Call, sink: AgentSink, next_frame: Callable[[], Awaitable[AgentFrame]]
+    ) -> None:
         """Serve an agent already attached to `call` (`call.attach_agent(sink)`): its frames go to
         the call, the call's events to `sink`, until either side is done."""
         loop = asyncio.get_running_loop()

@@ -68,9 +68,15 @@ class Voice:
     ready: bool = False  # the engine accepted it
 
     def to_wire(self) -> dict[str, Any]:
-        return {"voice_id": self.voice_id, "name": self.name, "created_at": int(self.created_at),
-                "duration_s": round(len(self.audio) / self.sample_rate, 3), "sample_rate": self.sample_rate,
-                "transcript": self.text, "ready": self.ready}
+        return {
+            "voice_id": self.voice_id,
+            "name": self.name,
+            "created_at": int(self.created_at),
+            "duration_s": round(len(self.audio) / self.sample_rate, 3),
+            "sample_rate": self.sample_rate,
+            "transcript": self.text,
+            "ready": self.ready,
+        }
 
 
 def check_name(name: object) -> str:
@@ -85,7 +91,9 @@ def check_transcript(text: object) -> str | None:
     if text is None or text == "":
         return None
     if not isinstance(text, str) or len(text) > MAX_TRANSCRIPT_CHARS:
-        raise ClipError(f"`text` (the clip's transcript) must be a string of at most {MAX_TRANSCRIPT_CHARS} characters")
+        raise ClipError(
+            f"`text` (the clip's transcript) must be a string of at most {MAX_TRANSCRIPT_CHARS} characters"
+        )
     return text
 
 
@@ -103,9 +111,13 @@ def decode_clip(data: bytes) -> tuple[npt.NDArray[np.float32], int]:
     if channels > MAX_CHANNELS:
         raise ClipError(f"The audio has {channels} channels: send mono or stereo.")
     if 0 < frames and frames / rate > MAX_SECONDS + 0.5:
-        raise ClipError(f"The clip is {frames / rate:.1f} s long: send at most {MAX_SECONDS:.0f} s of speech.")
+        raise ClipError(
+            f"The clip is {frames / rate:.1f} s long: send at most {MAX_SECONDS:.0f} s of speech."
+        )
     try:
-        audio, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True, frames=int((MAX_SECONDS + 1) * rate))
+        audio, rate = sf.read(
+            io.BytesIO(data), dtype="float32", always_2d=True, frames=int((MAX_SECONDS + 1) * rate)
+        )
     except Exception:
         raise ClipError("The audio file is damaged and could not be decoded.") from None
     if audio.size == 0:
@@ -117,7 +129,9 @@ def decode_clip(data: bytes) -> tuple[npt.NDArray[np.float32], int]:
     if seconds < MIN_SECONDS:
         raise ClipError(f"The clip is {seconds:.2f} s long: send at least {MIN_SECONDS:.0f} s of speech.")
     if seconds > MAX_SECONDS + 0.5:
-        raise ClipError(f"The clip is longer than {MAX_SECONDS:.0f} s: send at most {MAX_SECONDS:.0f} s of speech.")
+        raise ClipError(
+            f"The clip is longer than {MAX_SECONDS:.0f} s: send at most {MAX_SECONDS:.0f} s of speech."
+        )
     if float(np.abs(mono).max()) < SILENCE_PEAK:
         raise ClipError("The clip is silent: send a recording of someone speaking.")
     return mono, int(rate)
@@ -141,8 +155,9 @@ class VoiceRegistry:
         if len(self._voices) >= self.config.max_voices:
             raise ClipError(f"the registry holds at most {self.config.max_voices} voices; delete some first")
         try:
-            audio, rate = await asyncio.wait_for(asyncio.to_thread(decode_clip, data),
-                                                 self.config.voice_decode_timeout_s)
+            audio, rate = await asyncio.wait_for(
+                asyncio.to_thread(decode_clip, data), self.config.voice_decode_timeout_s
+            )
         except TimeoutError:
             raise ClipError("The audio took too long to decode: send a shorter or simpler file.") from None
         voice = Voice(f"v_{secrets.token_hex(8)}", name, owner, text, rate, audio, time.time())
@@ -167,8 +182,15 @@ class VoiceRegistry:
             try:
                 meta = json.loads(meta_path.read_text())
                 audio, rate = sf.read(meta_path.with_suffix(".flac"), dtype="float32")
-                voice = Voice(meta_path.stem, meta["name"], meta["owner"], meta.get("text"), int(rate),
-                              np.asarray(audio, np.float32), float(meta["created_at"]))
+                voice = Voice(
+                    meta_path.stem,
+                    meta["name"],
+                    meta["owner"],
+                    meta.get("text"),
+                    int(rate),
+                    np.asarray(audio, np.float32),
+                    float(meta["created_at"]),
+                )
             except (OSError, ValueError, KeyError, RuntimeError) as exc:
                 log.warning("skipping saved voice %s: %s", meta_path.stem, exc)
                 continue
@@ -225,11 +247,17 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
     async def collection(request: Request) -> Response:
         owner = principal_of(request).key_id
         if request.method == "GET":
-            return JSONResponse({"voices": [v.to_wire() for v in registry.owned_by(owner)],
-                                 "presets": list(registry.engine.info.voices)})
+            return JSONResponse(
+                {
+                    "voices": [v.to_wire() for v in registry.owned_by(owner)],
+                    "presets": list(registry.engine.info.voices),
+                }
+            )
         body = await read_limited(request, config.max_voice_upload_bytes * 4 // 3 + 4096)
         if body is None:
-            return _error(413, "invalid_audio", f"uploads are limited to {config.max_voice_upload_bytes} bytes")
+            return _error(
+                413, "invalid_audio", f"uploads are limited to {config.max_voice_upload_bytes} bytes"
+            )
         try:
             name, text, data = _parse_upload(request, body, config.max_voice_upload_bytes)
             voice, refusal = await registry.add(owner, name, text, data)
@@ -237,9 +265,13 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
             code = "invalid_message" if str(exc).startswith("`") else "invalid_audio"
             return _error(400, code, str(exc))
         if refusal is not None:
-            return _error(400, "invalid_request", f"{refusal}. The clip is valid and was stored as voice "
-                          f"{voice.voice_id!r}; it becomes usable with an engine that clones voices.",
-                          voice=voice.to_wire())
+            return _error(
+                400,
+                "invalid_request",
+                f"{refusal}. The clip is valid and was stored as voice "
+                f"{voice.voice_id!r}; it becomes usable with an engine that clones voices.",
+                voice=voice.to_wire(),
+            )
         return JSONResponse(voice.to_wire(), 201)
 
     async def item(request: Request) -> Response:

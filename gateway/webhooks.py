@@ -43,7 +43,9 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={mac}"
 
 
-def verify(secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0, now: float | None = None) -> bool:
+def verify(
+    secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0, now: float | None = None
+) -> bool:
     """Whether `header` signs `body` with `secret` and is no older than `tolerance_s` (receivers)."""
     fields: dict[str, list[str]] = {}
     for part in header.split(","):
@@ -146,7 +148,9 @@ class WebhookSender:
             self.stats.attempts += 1
             retry_after: float | None = None
             try:
-                response = await client.post(url, content=body, headers=headers, timeout=self.policy.timeout_s)
+                response = await client.post(
+                    url, content=body, headers=headers, timeout=self.policy.timeout_s
+                )
             except httpx.HTTPError as exc:
                 log.info("webhook %s to %s, attempt %d: %s", delivery_id, url, attempt, exc)
             else:
@@ -223,11 +227,15 @@ class WebhookSession(Session):
             if kind == "utterance.interrupted":
                 self._notify(action.message)
             elif kind == "session.started" and self.protocol.webhook_url and not self.webhooks.enabled:
-                out.append(SendControl({
-                    "type": "error",
-                    "code": "invalid_message",
-                    "message": "webhook_url: this server has no webhook signing secret; no webhooks will be sent",
-                }))
+                out.append(
+                    SendControl(
+                        {
+                            "type": "error",
+                            "code": "invalid_message",
+                            "message": "webhook_url: this server has no webhook signing secret; no webhooks will be sent",
+                        }
+                    )
+                )
         super()._execute(out)
 
     def _notify(self, message: Mapping[str, Any]) -> None:

@@ -179,13 +179,21 @@ class FakeEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(
-            active=len(self.active), queued=0, capacity=self.options.capacity, queue_limit=0, ready=self.started
+            active=len(self.active),
+            queued=0,
+            capacity=self.options.capacity,
+            queue_limit=0,
+            ready=self.started,
         )
 
     def open(self, request: SynthesisRequest) -> FakeStream:
         if self.options.open_error is not None:
             raise self.options.open_error
-        if request.voice is not None and request.voice not in self.info.voices and request.voice not in self.registered:
+        if (
+            request.voice is not None
+            and request.voice not in self.info.voices
+            and request.voice not in self.registered
+        ):
             raise UnknownVoice(f"unknown voice {request.voice!r}")
         if len(self.active) >= self.options.capacity:
             raise Overloaded("fake engine at capacity", retry_after_s=2.0)

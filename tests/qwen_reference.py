@@ -35,7 +35,11 @@ def _ensure_stubs() -> None:
     except Exception:
         for key in [k for k in sys.modules if k == "torchaudio" or k.startswith("torchaudio.")]:
             del sys.modules[key]
-        ta, comp, kaldi = _stub("torchaudio"), _stub("torchaudio.compliance"), _stub("torchaudio.compliance.kaldi")
+        ta, comp, kaldi = (
+            _stub("torchaudio"),
+            _stub("torchaudio.compliance"),
+            _stub("torchaudio.compliance.kaldi"),
+        )
         kaldi.fbank = _unused  # type: ignore[attr-defined]
         ta.compliance, comp.kaldi = comp, kaldi  # type: ignore[attr-defined]
     for name in ("sox", "onnxruntime"):

@@ -28,15 +28,40 @@ BPE_CORPUS = [
     "Reference words for the cloned voice, spoken clearly.",
     "Good morning, how are you today? I am fine, thank you.",
 ]
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+)
 TEXT_VOCAB = 512
 
-LANGUAGES = {"english": 2050, "chinese": 2055, "japanese": 2058, "sichuan_dialect": 2062, "beijing_dialect": 2074}
+LANGUAGES = {
+    "english": 2050,
+    "chinese": 2055,
+    "japanese": 2058,
+    "sichuan_dialect": 2062,
+    "beijing_dialect": 2074,
+}
 SPEAKERS = {"ryan": 3061, "vivian": 3065, "eric": 2875, "dylan": 2878}
-DIALECTS: dict[str, str | bool] = {"ryan": False, "vivian": False, "eric": "sichuan_dialect", "dylan": "beijing_dialect"}
+DIALECTS: dict[str, str | bool] = {
+    "ryan": False,
+    "vivian": False,
+    "eric": "sichuan_dialect",
+    "dylan": "beijing_dialect",
+}
 GENERATION_CONFIG = {
-    "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
-    "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50, "subtalker_top_p": 1.0,
+    "do_sample": True,
+    "temperature": 0.9,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.05,
+    "subtalker_dosample": True,
+    "subtalker_temperature": 0.9,
+    "subtalker_top_k": 50,
+    "subtalker_top_p": 1.0,
     "max_new_tokens": 8192,
 }
 
@@ -46,7 +71,7 @@ def build_reference_tokenizer(tmp_dir: str | Path) -> dict[str, int]:
     corpus, ChatML/tts special tokens right after the BPE vocabulary). Returns the special ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from engine.tokenizer import QWEN2_PATTERN, build_bpe
+    from engine.qwen3.tokenizer import QWEN2_PATTERN, build_bpe
 
     out = Path(tmp_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +85,13 @@ def build_reference_tokenizer(tmp_dir: str | Path) -> dict[str, int]:
     vocab_size = trainer_tok.get_vocab_size()
     special = {tok: vocab_size + i for i, tok in enumerate(SPECIAL_TOKENS)}
     assert max(special.values()) < TEXT_VOCAB
-    token_entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    token_entry = {
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     tok_cfg = {
         "add_prefix_space": False,
         "added_tokens_decoder": {str(i): {"content": t, **token_entry} for t, i in special.items()},
@@ -81,31 +112,70 @@ def tiny_tts_config(kind: str, special: dict[str, int], size: str = "1b7") -> An
     qwen_tts = import_qwen_tts()
     hidden, head_dim = 64, 16
     cp = dict(
-        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, rope_theta=1_000_000,
-        num_code_groups=16, pad_token_id=None,
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        rope_theta=1_000_000,
+        num_code_groups=16,
+        pad_token_id=None,
     )
     talker = dict(
-        vocab_size=3072, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096,
+        vocab_size=3072,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
         rope_theta=1_000_000,
-        rope_scaling={"rope_type": "default", "interleaved": True,
-                      "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
-        text_vocab_size=TEXT_VOCAB, text_hidden_size=32, num_code_groups=16,
-        codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
-        codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
-        codec_language_id=dict(LANGUAGES), spk_id=dict(SPEAKERS), spk_is_dialect=dict(DIALECTS),
+        rope_scaling={
+            "rope_type": "default",
+            "interleaved": True,
+            "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+        },
+        text_vocab_size=TEXT_VOCAB,
+        text_hidden_size=32,
+        num_code_groups=16,
+        codec_pad_id=2148,
+        codec_bos_id=2149,
+        codec_eos_token_id=2150,
+        codec_think_id=2154,
+        codec_nothink_id=2155,
+        codec_think_bos_id=2156,
+        codec_think_eos_id=2157,
+        codec_language_id=dict(LANGUAGES),
+        spk_id=dict(SPEAKERS),
+        spk_is_dialect=dict(DIALECTS),
         code_predictor_config=cp,
     )
-    spk = dict(mel_dim=128, enc_dim=hidden, enc_channels=[32, 32, 32, 32, 96], enc_kernel_sizes=[5, 3, 3, 3, 1],
-               enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=16, enc_res2net_scale=8,
-               enc_se_channels=16, sample_rate=24000)
+    spk = dict(
+        mel_dim=128,
+        enc_dim=hidden,
+        enc_channels=[32, 32, 32, 32, 96],
+        enc_kernel_sizes=[5, 3, 3, 3, 1],
+        enc_dilations=[1, 2, 3, 4, 1],
+        enc_attention_channels=16,
+        enc_res2net_scale=8,
+        enc_se_channels=16,
+        sample_rate=24000,
+    )
     return qwen_tts.core.models.Qwen3TTSConfig(
-        talker_config=talker, speaker_encoder_config=spk, tokenizer_type="qwen3_tts_tokenizer_12hz",
-        tts_model_size=size, tts_model_type=kind,
-        tts_pad_token_id=special["<tts_pad>"], tts_bos_token_id=special["<tts_text_bos>"],
+        talker_config=talker,
+        speaker_encoder_config=spk,
+        tokenizer_type="qwen3_tts_tokenizer_12hz",
+        tts_model_size=size,
+        tts_model_type=kind,
+        tts_pad_token_id=special["<tts_pad>"],
+        tts_bos_token_id=special["<tts_text_bos>"],
         tts_eos_token_id=special["<tts_text_eod>"],
-        im_start_token_id=special["<|im_start|>"], im_end_token_id=special["<|im_end|>"],
+        im_start_token_id=special["<|im_start|>"],
+        im_end_token_id=special["<|im_end|>"],
     )
 
 
@@ -114,17 +184,41 @@ def tiny_speech_tokenizer_config() -> Any:
 
     return Qwen3TTSTokenizerV2Config(
         encoder_config=dict(
-            hidden_size=32, num_filters=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-            head_dim=16, intermediate_size=64, upsample_groups=32, codebook_size=2048, codebook_dim=16,
-            vector_quantization_hidden_dimension=16, num_quantizers=16, upsampling_ratios=[8, 6, 5, 4],
+            hidden_size=32,
+            num_filters=4,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            upsample_groups=32,
+            codebook_size=2048,
+            codebook_dim=16,
+            vector_quantization_hidden_dimension=16,
+            num_quantizers=16,
+            upsampling_ratios=[8, 6, 5, 4],
         ),
         decoder_config=dict(
-            codebook_size=2048, codebook_dim=16, latent_dim=32, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16, sliding_window=72,
-            num_quantizers=16, decoder_dim=32, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
+            codebook_size=2048,
+            codebook_dim=16,
+            latent_dim=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=72,
+            num_quantizers=16,
+            decoder_dim=32,
+            upsample_rates=[8, 5, 4, 3],
+            upsampling_ratios=[2, 2],
         ),
-        encoder_valid_num_quantizers=16, input_sample_rate=24000, output_sample_rate=24000,
-        decode_upsample_rate=1920, encode_downsample_rate=1920,
+        encoder_valid_num_quantizers=16,
+        input_sample_rate=24000,
+        output_sample_rate=24000,
+        decode_upsample_rate=1920,
+        encode_downsample_rate=1920,
     )
 
 
@@ -138,8 +232,9 @@ def _spread_weights(model: torch.nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
-def build_reference_tts(kind: str, tmp_dir: str | Path, *, size: str = "1b7", seed: int = 0,
-                        eos_after_code: int | None = None) -> Path:
+def build_reference_tts(
+    kind: str, tmp_dir: str | Path, *, size: str = "1b7", seed: int = 0, eos_after_code: int | None = None
+) -> Path:
     """Build a tiny random reference model of `kind` ("custom_voice", "voice_design", "base") and
     save a complete checkpoint directory. `eos_after_code`: copy that code's head row (scaled up)
     onto EOS, so greedy generation ends where it would have picked the code."""
@@ -190,8 +285,8 @@ def load_reference(path: str | Path) -> Any:
 
 def load_ours(path: str | Path, device: str = "cpu") -> tuple[Any, Any]:
     """Our loader's bundle (fp32) and Code2Wav decoder for a checkpoint written by build_reference_tts."""
-    from engine.loader import load_qwen3_tts, read_tensors, weight_files
-    from engine.models.codec import Code2Wav
+    from engine.qwen3.loader import load_qwen3_tts, read_tensors, weight_files
+    from engine.qwen3.models.codec import Code2Wav
 
     path = Path(path)
     bundle = load_qwen3_tts(path, device, torch.float32)

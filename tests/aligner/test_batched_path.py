@@ -18,7 +18,7 @@ from aligner.qwen3 import (
     to_model_audio,
 )
 from tests.aligner.conftest import noise
-from tests.alignment_stage.tiny_aligner import tiny_aligner
+from tests.engine.alignment.tiny_aligner import tiny_aligner
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,12 @@ def aligner(tmp_path_factory: pytest.TempPathFactory) -> Qwen3ForcedAligner:
 BATCH = [
     (noise(0.45, 16000, 1), 16000, "Short one.", "English"),
     (noise(2.6, 24000, 2), 24000, "A clip of a few words at a higher rate.", "English"),
-    (noise(9.3, 16000, 3), 16000, "Long enough for two attention windows of the encoder, then some.", "English"),
+    (
+        noise(9.3, 16000, 3),
+        16000,
+        "Long enough for two attention windows of the encoder, then some.",
+        "English",
+    ),
     (noise(0.2, 16000, 4), 16000, "", "English"),
 ]
 
@@ -66,7 +71,9 @@ def test_encoder_tokens_equal_one_item_at_a_time(aligner):
 def test_batched_prompts_equal_one_item_at_a_time(aligner):
     words = [aligner.splitter.words(text, language) for _, _, text, language in BATCH]
     rows = aligner.prompt_rows(words, [5, 0, 13, 2])
-    assert rows == [aligner.prompt_ids(units, count) for units, count in zip(words, [5, 0, 13, 2], strict=True)]
+    assert rows == [
+        aligner.prompt_ids(units, count) for units, count in zip(words, [5, 0, 13, 2], strict=True)
+    ]
     assert rows[3].count(aligner.cfg.timestamp_token_id) == 2  # no units: one slot pair all the same
 
 

@@ -11,16 +11,23 @@ from typing import Any
 
 import pytest
 
-from engine.espeak import EspeakEngine
+from engine.espeak.engine import EspeakEngine
 from tests.integration.conftest import RunningGateway, run_gateway
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--autoplay-policy=no-user-gesture-required",
-    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
 ]
 
 
@@ -40,7 +47,10 @@ def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     profile = tempfile.mkdtemp(prefix="cadence-chromium-")
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+            profile,
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_ARGS,
             viewport={"width": 900, "height": 900},
         )
         context.add_init_script("""

@@ -13,12 +13,18 @@ import httpx
 import pytest
 
 from engine.api import EngineLoad
-from engine.espeak import EspeakEngine
+from engine.espeak.engine import EspeakEngine
 from tests.integration.conftest import RunningGateway, run_gateway
 
 FIGURES = {
-    "kv_blocks_in_use": 3.0, "kv_blocks_total": 8.0, "batch_decode": 5.0, "batch_prefill": 2.0,
-    "batch_codec": 4.0, "step_ms_decode": 7.25, "step_ms_prefill": 11.5, "step_ms_codec": 3.0,
+    "kv_blocks_in_use": 3.0,
+    "kv_blocks_total": 8.0,
+    "batch_decode": 5.0,
+    "batch_prefill": 2.0,
+    "batch_codec": 4.0,
+    "step_ms_decode": 7.25,
+    "step_ms_prefill": 11.5,
+    "step_ms_codec": 3.0,
     "ttfa_p50_ms": 42.0,
 }
 
@@ -40,7 +46,9 @@ def test_load_panel_shows_the_servers_figures(page: Any, figured_gateway: Runnin
     server = httpx.get(f"{figured_gateway.http}/v1/load").json()
     assert server["engine"]["figures"] == FIGURES and server["gateway"]["ttfa_p50_ms"] is None
     page.goto(f"{figured_gateway.http}/")
-    page.wait_for_function("window.cadence !== undefined && (cadence.state.loadPolls || 0) >= 2", timeout=5_000)
+    page.wait_for_function(
+        "window.cadence !== undefined && (cadence.state.loadPolls || 0) >= 2", timeout=5_000
+    )
     capacity = server["engine"]["capacity"]
     assert page.inner_text("#load-active") == f"0 / {capacity}"
     assert page.inner_text("#load-queued") == "0"

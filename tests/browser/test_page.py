@@ -10,8 +10,10 @@ from tests.browser.conftest import screenshot
 from tests.integration.conftest import RunningGateway
 
 SENTENCE = "The quick brown fox jumps over the lazy dog."
-LONG = ("Cadence speaks while the words arrive, and it keeps talking for a good while, so that there is "
-        "plenty of time to interrupt it somewhere in the middle of this rather long sentence.")
+LONG = (
+    "Cadence speaks while the words arrive, and it keeps talking for a good while, so that there is "
+    "plenty of time to interrupt it somewhere in the middle of this rather long sentence."
+)
 
 
 def _open(page: Any, gateway: RunningGateway, text: str) -> None:
@@ -95,8 +97,9 @@ def test_microphone_energy_barges_in(page: Any, espeak_gateway: RunningGateway) 
     page.evaluate("cadence.state.mic.attackMs = 60")  # the beeps are short
     page.check("#mic-barge")
     page.click("#speak")
-    page.wait_for_function("cadence.state.current && cadence.state.current.interruptReport !== null",
-                           timeout=20_000)
+    page.wait_for_function(
+        "cadence.state.current && cadence.state.current.interruptReport !== null", timeout=20_000
+    )
     cut = page.evaluate("cadence.state.current.interrupted")
     report = page.evaluate("cadence.state.current.interruptReport")
     assert cut["reason"] == "microphone"

@@ -30,6 +30,7 @@ async def test_a_burst_over_many_channels_wakes_the_loop_once_and_keeps_each_cha
 
     loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
     try:
+
         def engine_step() -> None:  # a step handing out ten chunks per channel, then the ends
             for offset in range(10):
                 for i, ch in enumerate(channels):
@@ -143,8 +144,16 @@ async def test_a_first_chunk_posted_after_later_chunks_of_other_streams_is_deliv
     on_thread(lambda: (a.put(chunk("a", 0)), b.put(chunk("b", 0))))
     await asyncio.sleep(0)
     log.clear()  # a and b are under way; c's first chunks come last in the next step
-    on_thread(lambda: (a.put(chunk("a", 4)), b.put(chunk("b", 4)), c.put(chunk("c", 0)), a.put(chunk("a", 8)),
-                       c.put(chunk("c", 4)), b.finish()))
+    on_thread(
+        lambda: (
+            a.put(chunk("a", 4)),
+            b.put(chunk("b", 4)),
+            c.put(chunk("c", 0)),
+            a.put(chunk("a", 8)),
+            c.put(chunk("c", 4)),
+            b.finish(),
+        )
+    )
     await asyncio.sleep(0)
     assert log == [("c", 0), ("c", 4), ("a", 4), ("b", 4), ("a", 8), ("b", "end")]
 
@@ -173,8 +182,14 @@ async def test_a_listener_gets_what_was_queued_then_the_rest_and_one_end_after_a
     on_thread(lambda: ch.put(chunk("a", 0)))
     await asyncio.sleep(0)  # queued: nobody iterates yet
     listen(ch.__aiter__(), Recorder(log, "a"))
-    on_thread(lambda: (ch.put(chunk("a", 4)), ch.put(AudioChunk("a", np.zeros(0, np.float32), 8, final=True)),
-                       ch.put(chunk("a", 12)), ch.finish()))
+    on_thread(
+        lambda: (
+            ch.put(chunk("a", 4)),
+            ch.put(AudioChunk("a", np.zeros(0, np.float32), 8, final=True)),
+            ch.put(chunk("a", 12)),
+            ch.finish(),
+        )
+    )
     await asyncio.sleep(0)
     assert log == [("a", 0), ("a", 4), ("a", 8), ("a", "end")]
     ch.close()  # a cancel after the end hands out nothing more
@@ -186,7 +201,13 @@ async def test_a_listener_gets_a_failure_after_the_chunks_before_it_and_an_end_o
     failing, closed = ChunkChannel(), LoopChunkChannel()
     listen(failing.__aiter__(), Recorder(log, "f"))
     listen(closed.__aiter__(), Recorder(log, "c"))
-    on_thread(lambda: (failing.put(chunk("f", 0)), failing.fail(EngineError("gpu fell over")), failing.put(chunk("f", 4))))
+    on_thread(
+        lambda: (
+            failing.put(chunk("f", 0)),
+            failing.fail(EngineError("gpu fell over")),
+            failing.put(chunk("f", 4)),
+        )
+    )
     closed.put(chunk("c", 0))
     await asyncio.sleep(0)
     closed.close()

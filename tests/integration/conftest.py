@@ -37,7 +37,9 @@ class RunningGateway:
 
 
 @contextmanager
-def run_gateway(engine: Engine, config: GatewayConfig | None = None, **options: Any) -> Iterator[RunningGateway]:
+def run_gateway(
+    engine: Engine, config: GatewayConfig | None = None, **options: Any
+) -> Iterator[RunningGateway]:
     server = build_server(engine, "127.0.0.1", 0, config, log_level="warning", lifespan="on", **options)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -62,7 +64,9 @@ def gateway_factory() -> Iterator[GatewayFactory]:
     """Start gateways with a given engine and config; all are stopped after the test."""
     stack: list[contextmanager[RunningGateway]] = []  # type: ignore[valid-type]
 
-    def start(engine: Engine | None = None, config: GatewayConfig | None = None, **options: Any) -> RunningGateway:
+    def start(
+        engine: Engine | None = None, config: GatewayConfig | None = None, **options: Any
+    ) -> RunningGateway:
         manager = run_gateway(engine or FakeEngine(), config, **options)
         stack.append(manager)
         return manager.__enter__()

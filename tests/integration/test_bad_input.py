@@ -30,7 +30,10 @@ BAD_FRAMES: list[tuple[str | bytes, str]] = [
     ('{"type": "speak.dance"}', "unknown_type"),
     ('{"type": "speak.append", "utterance_id": "u9", "text": 42}', "invalid_message"),
     ('{"type": "speak.cancel", "utterance_id": "u1", "played_ms": -5}', "invalid_message"),
-    ('{"type": "session.start", "output": {"encoding": "mulaw", "sample_rate": 24000}}', "unsupported_output"),
+    (
+        '{"type": "session.start", "output": {"encoding": "mulaw", "sample_rate": 24000}}',
+        "unsupported_output",
+    ),
     ('{"type": "speak.flush", "utterance_id": "ghost"}', "unknown_utterance"),
     ('{"type": "speak.cancel", "utterance_id": "ghost"}', "unknown_utterance"),
     ('{"type": "playback.report", "utterance_id": "ghost", "played_ms": 3}', "unknown_utterance"),

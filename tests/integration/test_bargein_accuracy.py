@@ -24,7 +24,7 @@ from tests.integration.conftest import GatewayFactory
 from tests.integration.wsclient import Client, connect
 
 pytest.importorskip("espeakng_loader")
-espeak = pytest.importorskip("engine.espeak")
+espeak = pytest.importorskip("engine.espeak.engine")
 
 SESSIONS = 12
 UTTERANCES_PER_SESSION = 20  # 240 interrupts in all
@@ -32,8 +32,29 @@ RATE = 24_000
 TOLERANCE_MS = 40  # the protocol's end-of-word tolerance
 SLACK_MS = 150  # scheduling slack on the server's clock (loaded CI machines)
 
-ENGLISH = ("sure", "I", "can", "help", "you", "with", "that", "today", "the", "weather", "looks",
-           "fine", "please", "hold", "on", "while", "check", "your", "order", "number", "again")
+ENGLISH = (
+    "sure",
+    "I",
+    "can",
+    "help",
+    "you",
+    "with",
+    "that",
+    "today",
+    "the",
+    "weather",
+    "looks",
+    "fine",
+    "please",
+    "hold",
+    "on",
+    "while",
+    "check",
+    "your",
+    "order",
+    "number",
+    "again",
+)
 MANDARIN = "我可以帮你今天天气很好请稍等一下查看订单号码谢谢再见朋友们"
 
 
@@ -88,10 +109,21 @@ def expected_cut(words: list[dict[str, Any]], text: str, played: int) -> dict[st
     for w in words:
         if w["end_ms"] <= played + TOLERANCE_MS:
             last = w
-    partial = next((w for w in words if w["start_ms"] <= played < w["end_ms"]
-                    and (last is None or w["index"] > last["index"])), None)
+    partial = next(
+        (
+            w
+            for w in words
+            if w["start_ms"] <= played < w["end_ms"] and (last is None or w["index"] > last["index"])
+        ),
+        None,
+    )
     split = last["char_end"] if last else 0
-    return {"last_word": last, "partial_word": partial, "spoken_text": text[:split], "unspoken_text": text[split:]}
+    return {
+        "last_word": last,
+        "partial_word": partial,
+        "spoken_text": text[:split],
+        "unspoken_text": text[split:],
+    }
 
 
 async def run_case(client: Client, case: Case, rng: random.Random) -> None:
@@ -155,20 +187,24 @@ def check_reply(client: Client, case: Case, reply: dict[str, Any], stream: int) 
     played = reply["played_ms"]
     assert case.low_ms - 1 <= played <= case.high_ms + 1, (where, case.low_ms, case.high_ms)
     # the words the client had been sent before the fence
-    fence = next(i for i, item in enumerate(client.got.order)
-                 if isinstance(item, dict) and item is reply)
-    words = [w for item in client.got.order[:fence] if isinstance(item, dict) and item["type"] == "words"
-             and item["utterance_id"] == case.uid for w in item["words"]]
+    fence = next(i for i, item in enumerate(client.got.order) if isinstance(item, dict) and item is reply)
+    words = [
+        w
+        for item in client.got.order[:fence]
+        if isinstance(item, dict) and item["type"] == "words" and item["utterance_id"] == case.uid
+        for w in item["words"]
+    ]
     assert words and [w["index"] for w in words] == list(range(len(words))), where
-    assert all(case.text[w["char_start"]:w["char_end"]] == w["text"] for w in words), where
+    assert all(case.text[w["char_start"] : w["char_end"]] == w["text"] for w in words), where
     expected = expected_cut(words, case.text, played)
     for key, value in expected.items():
         assert reply[key] == value, (key, where)
     assert reply["spoken_text"] + reply["unspoken_text"] == case.text
     if reply["last_word"] is not None:  # the listener heard it: it ended by the played position
         assert reply["last_word"]["end_ms"] <= played + TOLERANCE_MS
-    assert not any(isinstance(item, PacketHeader) and item.stream == stream for item in client.got.order[fence:]), (
-        f"a packet of stream {stream} followed the fence: {where}")
+    assert not any(
+        isinstance(item, PacketHeader) and item.stream == stream for item in client.got.order[fence:]
+    ), f"a packet of stream {stream} followed the fence: {where}"
 
 
 async def run_session(url: str, seed: int) -> list[Case]:

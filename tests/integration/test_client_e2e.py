@@ -11,7 +11,7 @@ import soundfile as sf
 
 from clients.client import Done, Interrupted, Packet, PlaybackClock, Started, Words, connect
 from clients.say import say_main
-from engine.espeak import EspeakEngine
+from engine.espeak.engine import EspeakEngine
 from tests.integration.conftest import GatewayFactory, RunningGateway
 
 TEXT = "Hello there, how are you today? The quick brown fox jumps over the lazy dog."

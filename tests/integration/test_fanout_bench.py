@@ -10,8 +10,8 @@ import pytest
 from websockets.frames import Frame, Opcode
 from websockets.streams import StreamReader
 
+from bench.fanout import client_frame, lags_of, median_level, passes, raw_stream
 from engine.null import NullEngine
-from scripts.bench_fanout import client_frame, lags_of, median_level, passes, raw_stream
 from tests.integration.conftest import GatewayFactory
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +48,9 @@ def test_playout_lags_count_from_the_first_packets_arrival() -> None:
 
 async def test_the_raw_client_sees_a_whole_realtime_stream(gateway_factory: GatewayFactory) -> None:
     gateway = gateway_factory(NullEngine())
-    lags, first_audio, error = await raw_stream(gateway.ws, "Hello there, my friend.", 0.0, 0, "realtime", "jitter")
+    lags, first_audio, error = await raw_stream(
+        gateway.ws, "Hello there, my friend.", 0.0, 0, "realtime", "jitter"
+    )
     assert error is None
     assert len(lags) > 50  # ~1.6 s of audio in 20 ms packets
     assert min(lags) == 0.0 and max(lags) < 0.5
@@ -60,7 +62,9 @@ async def test_an_engine_ahead_of_real_time_is_paced_by_the_gateway(gateway_fact
     lead at once and the rest on its clock, so no packet comes past its playout time, and the
     stream takes its real duration."""
     gateway = gateway_factory(NullEngine(chunk_ms=80, speed=4.0))
-    lags, first_audio, error = await raw_stream(gateway.ws, "Hello there, my friend.", 0.0, 0, "realtime", "playout")
+    lags, first_audio, error = await raw_stream(
+        gateway.ws, "Hello there, my friend.", 0.0, 0, "realtime", "playout"
+    )
     assert error is None and len(lags) > 50
     assert min(lags) < -0.2  # the realtime lead (300 ms by default): sent ahead of its playout
     assert max(lags) <= 0.01
@@ -69,8 +73,10 @@ async def test_an_engine_ahead_of_real_time_is_paced_by_the_gateway(gateway_fact
 def test_a_level_passes_on_the_median_of_its_runs() -> None:
     """Lag and first audio are each the median of the runs: a level whose median-lag run started
     its streams promptly still fails when most runs did not."""
-    runs = [{"lag_p99_ms": lag, "first_audio_p99_ms": first, "gateway_cpu_pct": 50.0, "errors": 0}
-            for lag, first in ((5.0, 400.0), (6.0, 60.0), (7.0, 300.0))]
+    runs = [
+        {"lag_p99_ms": lag, "first_audio_p99_ms": first, "gateway_cpu_pct": 50.0, "errors": 0}
+        for lag, first in ((5.0, 400.0), (6.0, 60.0), (7.0, 300.0))
+    ]
     level = median_level(runs)
     assert level["lag_p99_ms"] == 6.0 and level["first_audio_p99_ms"] == 300.0
     limits = argparse.Namespace(limit_ms=10.0, first_audio_limit_ms=100.0)

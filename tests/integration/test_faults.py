@@ -18,9 +18,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from tests.fakes import FakeEngine
+from tests.gateway.test_protocol_fuzz import HOSTILE, garbage
 from tests.integration.conftest import GatewayFactory, RunningGateway
 from tests.integration.wsclient import Client, connect
-from tests.unit.test_protocol_fuzz import HOSTILE, garbage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,8 +44,14 @@ async def test_10k_generated_frames_over_a_real_socket(gateway: RunningGateway) 
         elif roll < 0.65:
             frames.append((rng.randbytes(rng.randint(1, 100)), "binary_not_supported"))
         else:  # valid, answered by nothing
-            frames.append((json.dumps({"type": "playback.report", "utterance_id": "u0",
-                                       "played_ms": rng.randint(0, 9999)}), None))
+            frames.append(
+                (
+                    json.dumps(
+                        {"type": "playback.report", "utterance_id": "u0", "played_ms": rng.randint(0, 9999)}
+                    ),
+                    None,
+                )
+            )
     expected = [code for _, code in frames if code is not None]
     async with connect(gateway.ws) as ws:
         c = Client(ws)
@@ -84,7 +90,9 @@ async def _drive_to(c: Client, state: str) -> None:
     await c.until("session.started")
     if state == "started":
         return
-    await c.send(type="speak.append", utterance_id="u1", text="one two three four five six seven eight nine " * 5)
+    await c.send(
+        type="speak.append", utterance_id="u1", text="one two three four five six seven eight nine " * 5
+    )
     await c.until("utterance.started", "u1")
     if state == "opened":
         return
@@ -106,7 +114,9 @@ async def _drive_to(c: Client, state: str) -> None:
 
 
 @pytest.mark.parametrize("state", STATES)
-async def test_disconnect_at_every_state_frees_everything(gateway_factory: GatewayFactory, state: str) -> None:
+async def test_disconnect_at_every_state_frees_everything(
+    gateway_factory: GatewayFactory, state: str
+) -> None:
     engine = FakeEngine(step_s=0.01)
     gw = gateway_factory(engine)
     gateway = gw.server.gateway

@@ -50,7 +50,9 @@ async def test_a_whole_utterance(gateway: RunningGateway) -> None:
     assert words[0]["end_ms"] == word_ms("Sure,")
     # utterance.started comes before the first packet; each word before the audio it describes
     first_packet = next(i for i, x in enumerate(got.order) if not isinstance(x, dict))
-    started = next(i for i, x in enumerate(got.order) if isinstance(x, dict) and x["type"] == "utterance.started")
+    started = next(
+        i for i, x in enumerate(got.order) if isinstance(x, dict) and x["type"] == "utterance.started"
+    )
     assert started < first_packet
     for w in words:
         sent_ms_before = 0
@@ -247,9 +249,13 @@ async def test_session_end_finishes_then_closes(gateway: RunningGateway) -> None
     assert c.got.of_type("utterance.done", "u1")
 
 
-@pytest.mark.parametrize(("encoding", "rate", "width"), [("mulaw", 8000, 1), ("alaw", 8000, 1),
-                                                         ("pcm_f32le", 48000, 4), ("pcm_s16le", 16000, 2)])
-async def test_negotiated_output_formats(gateway: RunningGateway, encoding: str, rate: int, width: int) -> None:
+@pytest.mark.parametrize(
+    ("encoding", "rate", "width"),
+    [("mulaw", 8000, 1), ("alaw", 8000, 1), ("pcm_f32le", 48000, 4), ("pcm_s16le", 16000, 2)],
+)
+async def test_negotiated_output_formats(
+    gateway: RunningGateway, encoding: str, rate: int, width: int
+) -> None:
     async with connect(gateway.ws) as ws:
         c = Client(ws)
         await c.send(type="session.start", output={"encoding": encoding, "sample_rate": rate})
@@ -299,7 +305,7 @@ async def test_shutdown_closes_sessions_with_1001(gateway_factory: GatewayFactor
 
 def espeak_engine() -> object:
     try:
-        from engine.espeak import EspeakEngine
+        from engine.espeak.engine import EspeakEngine
 
         return EspeakEngine()
     except Exception as exc:  # missing library or module

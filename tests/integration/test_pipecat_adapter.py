@@ -17,7 +17,7 @@ from pipecat.frames.frames import (  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
 from clients.pipecat_adapter import CadenceTTSService  # noqa: E402
-from engine.espeak import EspeakEngine  # noqa: E402
+from engine.espeak.engine import EspeakEngine  # noqa: E402
 from tests.fakes import FakeEngine  # noqa: E402
 from tests.integration.conftest import GatewayFactory  # noqa: E402
 
@@ -37,13 +37,16 @@ async def test_speaks_with_word_timestamps(gateway_factory: GatewayFactory) -> N
     assert 1.5 < len(audio) / 2 / 24_000 < 5.0
 
 
-async def test_an_interruption_cancels_and_keeps_only_the_words_heard(gateway_factory: GatewayFactory) -> None:
+async def test_an_interruption_cancels_and_keeps_only_the_words_heard(
+    gateway_factory: GatewayFactory,
+) -> None:
     engine = FakeEngine(step_s=0.02)
     gateway = gateway_factory(engine)
     text = " ".join(f"word{i}" for i in range(40))
     tts = CadenceTTSService(url=gateway.ws)
-    down, _ = await run_test(tts, frames_to_send=[TTSSpeakFrame(text), SleepFrame(1.0), InterruptionFrame(),
-                                                  SleepFrame(0.5)])
+    down, _ = await run_test(
+        tts, frames_to_send=[TTSSpeakFrame(text), SleepFrame(1.0), InterruptionFrame(), SleepFrame(0.5)]
+    )
     assert engine.streams and engine.streams[0].cancelled  # speak.cancel reached the engine
     [report] = tts.interruptions
     words = [f.text for f in down if isinstance(f, TTSTextFrame)]

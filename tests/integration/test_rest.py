@@ -54,8 +54,14 @@ async def test_pcm_streams_raw_s16le(gateway: RunningGateway) -> None:
     response = await post(gateway, input=TEXT, response_format="pcm")
     assert response.status_code == 200
     assert response.headers["x-sample-rate"] == "24000"
-    audio, _ = sf.read(io.BytesIO(response.content), samplerate=24000, channels=1, format="RAW",
-                       subtype="PCM_16", dtype="float32")
+    audio, _ = sf.read(
+        io.BytesIO(response.content),
+        samplerate=24000,
+        channels=1,
+        format="RAW",
+        subtype="PCM_16",
+        dtype="float32",
+    )
     assert abs(len(audio) / 24 - expected_ms(TEXT)) <= 2
     assert 0.25 < np.max(np.abs(audio)) < 0.35
 
@@ -68,8 +74,9 @@ async def test_speed_shortens_the_audio(gateway: RunningGateway) -> None:
 
 async def test_sse_events(gateway: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.http, timeout=30) as http:
-        async with http.stream("POST", "/v1/audio/speech",
-                               json={"input": TEXT, "stream_format": "sse", "timestamps": True}) as response:
+        async with http.stream(
+            "POST", "/v1/audio/speech", json={"input": TEXT, "stream_format": "sse", "timestamps": True}
+        ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
             events = []
@@ -87,23 +94,27 @@ async def test_sse_events(gateway: RunningGateway) -> None:
     assert kinds.index("speech.audio.words") < kinds.index("speech.audio.delta")
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    ({}, "invalid_message"),
-    ({"input": ""}, "invalid_message"),
-    ({"input": "   "}, "invalid_message"),
-    ({"input": 5}, "invalid_message"),
-    ({"input": "hi", "response_format": "mp3"}, "unsupported_output"),
-    ({"input": "hi", "response_format": "wav", "stream_format": "sse"}, "unsupported_output"),
-    ({"input": "hi", "stream_format": "websocket"}, "invalid_message"),
-    ({"input": "hi", "speed": 10}, "invalid_message"),
-    ({"input": "hi", "speed": "fast"}, "invalid_message"),
-    ({"input": "hi", "voice": 3}, "invalid_message"),
-    ({"input": "hi", "timestamps": "yes"}, "invalid_message"),
-    ({"input": "hi", "voice": "nobody"}, "unknown_voice"),
-    ({"input": "x" * 20_001}, "text_too_long"),
-])
-async def test_bad_requests_get_400_with_a_json_error(gateway: RunningGateway, body: dict[str, object],
-                                                      code: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({}, "invalid_message"),
+        ({"input": ""}, "invalid_message"),
+        ({"input": "   "}, "invalid_message"),
+        ({"input": 5}, "invalid_message"),
+        ({"input": "hi", "response_format": "mp3"}, "unsupported_output"),
+        ({"input": "hi", "response_format": "wav", "stream_format": "sse"}, "unsupported_output"),
+        ({"input": "hi", "stream_format": "websocket"}, "invalid_message"),
+        ({"input": "hi", "speed": 10}, "invalid_message"),
+        ({"input": "hi", "speed": "fast"}, "invalid_message"),
+        ({"input": "hi", "voice": 3}, "invalid_message"),
+        ({"input": "hi", "timestamps": "yes"}, "invalid_message"),
+        ({"input": "hi", "voice": "nobody"}, "unknown_voice"),
+        ({"input": "x" * 20_001}, "text_too_long"),
+    ],
+)
+async def test_bad_requests_get_400_with_a_json_error(
+    gateway: RunningGateway, body: dict[str, object], code: str
+) -> None:
     response = await post(gateway, **body)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -112,7 +123,9 @@ async def test_bad_requests_get_400_with_a_json_error(gateway: RunningGateway, b
 
 async def test_body_that_is_not_json(gateway: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.http) as http:
-        response = await http.post("/v1/audio/speech", content=b"{nope", headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/audio/speech", content=b"{nope", headers={"content-type": "application/json"}
+        )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_message"
 
 

@@ -27,7 +27,9 @@ def speech_clip(seconds: float, rate: int) -> np.ndarray:
 
 async def test_a_reference_clip_reaches_the_engine(gateway: RunningGateway) -> None:
     clip = wav_b64(speech_clip(2.0, 16000), 16000)
-    response = await post(gateway, input="Hello.", ref_audio=f"data:audio/wav;base64,{clip}", ref_text="Hi there.")
+    response = await post(
+        gateway, input="Hello.", ref_audio=f"data:audio/wav;base64,{clip}", ref_text="Hi there."
+    )
     assert response.status_code == 200, response.text
     engine = gateway.engine
     assert isinstance(engine, FakeEngine)

@@ -78,7 +78,9 @@ async def test_browser_tokens_and_origins(gateway_factory: GatewayFactory, keys)
         assert r.status_code == 200
         token = r.json()["token"]
         assert r.json()["expires_at"] > time.time()
-        assert (await http.post("/v1/tokens", json={}, headers=_auth(token))).status_code == 401  # not with a token
+        assert (
+            await http.post("/v1/tokens", json={}, headers=_auth(token))
+        ).status_code == 401  # not with a token
         assert (await http.post("/v1/tokens", json={"ttl_s": 10**9}, headers=_auth(key))).status_code == 400
         # REST with the token: its voice scope holds
         r = await http.post("/v1/audio/speech", json={"input": "hi", "voice": "bob"}, headers=_auth(token))
@@ -92,13 +94,16 @@ async def test_browser_tokens_and_origins(gateway_factory: GatewayFactory, keys)
         await c.send(type="speak.append", utterance_id="u1", text="hi")
         error = await c.until("error")
         assert error["code"] == "unauthorized"
-    code, reason = await _close_code(f"{gw.ws}?token={token}", additional_headers={"Origin": "https://evil.example"})
+    code, reason = await _close_code(
+        f"{gw.ws}?token={token}", additional_headers={"Origin": "https://evil.example"}
+    )
     assert code == 1008 and "origin" in reason
 
 
 async def test_quotas_over_the_wire(gateway_factory: GatewayFactory) -> None:
-    config = GatewayConfig(quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=50),
-                           quota_anonymous=True)
+    config = GatewayConfig(
+        quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=50), quota_anonymous=True
+    )
     gw = gateway_factory(FakeEngine(step_s=0.01), config)
     async with connect(gw.ws) as ws:
         code, reason = await _close_code(gw.ws)  # a second session of the same (anonymous) key
@@ -130,13 +135,19 @@ def _clip(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
 async def test_voice_registry(gateway_factory: GatewayFactory, keys, tmp_path) -> None:
     auth, key_a, key_b = keys
     engine = FakeEngine()
-    gw = gateway_factory(engine, GatewayConfig(voices_dir=str(tmp_path), max_voice_upload_bytes=200_000), auth=auth)
+    gw = gateway_factory(
+        engine, GatewayConfig(voices_dir=str(tmp_path), max_voice_upload_bytes=200_000), auth=auth
+    )
     async with httpx.AsyncClient(base_url=gw.http, headers=_auth(key_a)) as http:
-        r = await http.post("/v1/voices", json={"name": "Me", "text": "hello", "audio": base64.b64encode(_clip(2.0)).decode()})
+        r = await http.post(
+            "/v1/voices", json={"name": "Me", "text": "hello", "audio": base64.b64encode(_clip(2.0)).decode()}
+        )
         assert r.status_code == 201, r.text
         voice = r.json()
         assert voice["ready"] and voice["duration_s"] == 2.0 and voice["voice_id"] in engine.registered
-        r = await http.post("/v1/voices?name=Raw", content=_clip(1.5, channels=2), headers={"content-type": "audio/wav"})
+        r = await http.post(
+            "/v1/voices?name=Raw", content=_clip(1.5, channels=2), headers={"content-type": "audio/wav"}
+        )
         assert r.status_code == 201
         listed = (await http.get("/v1/voices")).json()
         assert {v["name"] for v in listed["voices"]} == {"Me", "Raw"} and "alice" in listed["presets"]
@@ -162,7 +173,7 @@ async def test_voice_registry(gateway_factory: GatewayFactory, keys, tmp_path) -
 
 
 async def test_voice_registry_with_an_engine_that_cannot_clone(gateway_factory: GatewayFactory) -> None:
-    espeak = pytest.importorskip("engine.espeak")
+    espeak = pytest.importorskip("engine.espeak.engine")
     try:
         engine = espeak.EspeakEngine()
     except Exception as exc:
@@ -190,7 +201,9 @@ async def test_a_dead_engine_is_restarted_and_readyz_says_so(gateway: RunningGat
         assert "cadence_engine_restarts_total 1.0" in (await http.get("/metrics")).text
 
 
-async def test_a_stalled_reader_is_closed_and_frees_its_engine_streams(gateway_factory: GatewayFactory) -> None:
+async def test_a_stalled_reader_is_closed_and_frees_its_engine_streams(
+    gateway_factory: GatewayFactory,
+) -> None:
     engine = FakeEngine(chunk_ms=200)
     config = GatewayConfig(slow_client_timeout_s=1.0, send_queue_high=20, send_queue_low=5)
     gw = gateway_factory(engine, config)
@@ -198,7 +211,9 @@ async def test_a_stalled_reader_is_closed_and_frees_its_engine_streams(gateway_f
     async with connect(gw.ws, max_queue=1, close_timeout=0.5) as ws:
         ws.transport.pause_reading()  # a client that stops reading
         c = Client(ws)
-        await c.send(type="session.start", output={"encoding": "pcm_f32le", "sample_rate": 48000, "packet_ms": 100})
+        await c.send(
+            type="session.start", output={"encoding": "pcm_f32le", "sample_rate": 48000, "packet_ms": 100}
+        )
         await c.send(type="speak.append", utterance_id="u1", text="word " * 2000)
         await c.send(type="speak.end", utterance_id="u1")
         for _ in range(100):

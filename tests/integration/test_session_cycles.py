@@ -18,8 +18,19 @@ from tests.integration.wsclient import Client, connect
 pytestmark = pytest.mark.timeout(60)
 
 # gateway and uvicorn types one session makes; none may be in a cycle once it is closed
-WATCHED = {"Session", "WebhookSession", "SessionProtocol", "SendQueue", "Utterance", "Packetiser",
-           "DirectFrameWriter", "LenientTextProtocol", "StreamResampler", "SynthesisRequest", "WebSocket"}
+WATCHED = {
+    "Session",
+    "WebhookSession",
+    "SessionProtocol",
+    "SendQueue",
+    "Utterance",
+    "Packetiser",
+    "DirectFrameWriter",
+    "LenientTextProtocol",
+    "StreamResampler",
+    "SynthesisRequest",
+    "WebSocket",
+}
 
 
 @pytest.fixture

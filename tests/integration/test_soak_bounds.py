@@ -10,8 +10,8 @@ import time
 
 from websockets.asyncio.server import ServerConnection, serve
 
+from bench.soak import Tally, _drift, session
 from gateway.config import GatewayConfig
-from scripts.soak import Tally, _drift, session
 from tests.fakes import FakeEngine
 from tests.integration.conftest import GatewayFactory
 from tests.integration.wsclient import Client, connect
@@ -28,7 +28,9 @@ async def test_a_server_close_is_recorded_with_its_code_and_reason() -> None:
     async with serve(_closes_after_start, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
         tally = Tally()
-        await session(f"ws://127.0.0.1:{port}/v1/stream", 7, time.monotonic() + 5, tally, random.Random(1), 0.0)
+        await session(
+            f"ws://127.0.0.1:{port}/v1/stream", 7, time.monotonic() + 5, tally, random.Random(1), 0.0
+        )
     assert tally.errors == {"ConnectionClosedError": 1}
     [detail] = tally.details
     assert detail["close_code"] == 1008 and detail["close_reason"].startswith("client too slow")
@@ -43,7 +45,9 @@ def test_history_entries_are_capped_per_session_and_drift_is_relative() -> None:
     assert _drift(105.0, 100.0) == 0.05 and _drift(None, 100.0) is None and _drift(1.0, 0.0) is None
 
 
-async def test_failed_and_finished_utterances_leave_no_per_utterance_state(gateway_factory: GatewayFactory) -> None:
+async def test_failed_and_finished_utterances_leave_no_per_utterance_state(
+    gateway_factory: GatewayFactory,
+) -> None:
     engine = FakeEngine(fail_after_words=2)
     gw = gateway_factory(engine)
     async with connect(gw.ws) as ws:

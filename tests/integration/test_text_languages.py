@@ -52,7 +52,10 @@ async def test_mixed_chinese_english_with_tags(gateway_factory: GatewayFactory) 
         await c.until("utterance.done", "u1")
     pushed = engine.streams[0].pushed
     assert [(s.text, s.language) for s in pushed] == [
-        ("请帮我订一台 ", "Chinese"), ("iPhone 15，", "English"), ("谢谢。", "Chinese")]
+        ("请帮我订一台 ", "Chinese"),
+        ("iPhone 15，", "English"),
+        ("谢谢。", "Chinese"),
+    ]
     words = c.got.words_of("u1")
     assert [w["text"] for w in words] == ["请帮我订一台", "iPhone", "15，", "谢谢。"]
     for w in words:  # offsets into the text as sent; a span may hold a removed tag
@@ -95,7 +98,8 @@ async def test_explicit_session_language_is_normalised_and_untagged_segments_use
 
 LONG = " ".join(
     f"Sentence number {i} talks about item {i * 7}, priced at {i}.{i % 10}9 dollars; "
-    f"see https://example.com/items/{i}?ref=a.b for details." for i in range(40)
+    f"see https://example.com/items/{i}?ref=a.b for details."
+    for i in range(40)
 )
 
 
@@ -138,7 +142,11 @@ async def test_barge_in_in_each_segment_reports_the_right_word(gateway_factory: 
         assert len(segments) == 4
         for k, segment in enumerate(segments):
             # the second word of segment k, cut in its middle
-            inside = [w for w in words if segment.char_start <= w["char_start"] < segment.char_start + len(segment.text)]
+            inside = [
+                w
+                for w in words
+                if segment.char_start <= w["char_start"] < segment.char_start + len(segment.text)
+            ]
             target = inside[1]
             uid = f"u{k}"
             await c.send(type="speak.append", utterance_id=uid, text=SEGMENTED)
@@ -149,7 +157,7 @@ async def test_barge_in_in_each_segment_reports_the_right_word(gateway_factory: 
             cut = await c.until("utterance.interrupted", uid)
             assert cut["partial_word"]["index"] == target["index"]
             assert cut["last_word"]["index"] == target["index"] - 1
-            assert cut["unspoken_text"] == SEGMENTED[inside[0]["char_end"]:]
+            assert cut["unspoken_text"] == SEGMENTED[inside[0]["char_end"] :]
             assert cut["spoken_text"] + cut["unspoken_text"] == SEGMENTED
             for later in segments[k + 1 :]:
                 assert later.text.strip() in cut["unspoken_text"]
@@ -157,7 +165,7 @@ async def test_barge_in_in_each_segment_reports_the_right_word(gateway_factory: 
 
 # -- eSpeak: no gap at segment joins ------------------------------------------------------------
 
-espeak = pytest.importorskip("engine.espeak")
+espeak = pytest.importorskip("engine.espeak.engine")
 
 
 def _silences(samples: np.ndarray, rate: int, floor: float = 0.01) -> list[int]:
@@ -195,8 +203,10 @@ async def test_espeak_segment_joins_add_no_silence_beyond_the_punctuation() -> N
     except Exception as exc:  # no eSpeak library on this machine
         pytest.skip(f"eSpeak unavailable: {exc}")
     try:
-        text = ("Thank you for calling, this is the front desk. Your room is ready now. "
-                "Breakfast is served from seven until ten. Have a pleasant stay.")
+        text = (
+            "Thank you for calling, this is the front desk. Your room is ready now. "
+            "Breakfast is served from seven until ten. Have a pleasant stay."
+        )
         pipeline = UtteranceText("English", max_chars=300, clause_min_chars=20)
         segmented = pipeline.feed(text) + pipeline.flush()
         assert len(segmented) >= 4
@@ -206,9 +216,11 @@ async def test_espeak_segment_joins_add_no_silence_beyond_the_punctuation() -> N
         whole_gaps, seg_gaps = _silences(whole_audio, rate), _silences(seg_audio, rate)
         # the same pauses, within 20 ms each: a join adds nothing the punctuation does not imply
         extra_ms = (len(seg_audio) - len(whole_audio)) * 1000 / rate
-        print(f"segment joins: {len(segmented) - 1}, extra audio {extra_ms:.1f} ms, "
-              f"longest pause whole {max(whole_gaps) * 1000 / rate:.0f} ms, "
-              f"segmented {max(seg_gaps) * 1000 / rate:.0f} ms")
+        print(
+            f"segment joins: {len(segmented) - 1}, extra audio {extra_ms:.1f} ms, "
+            f"longest pause whole {max(whole_gaps) * 1000 / rate:.0f} ms, "
+            f"segmented {max(seg_gaps) * 1000 / rate:.0f} ms"
+        )
         assert abs(extra_ms) <= 20 * len(segmented)
         assert max(seg_gaps) <= max(whole_gaps) + rate // 50
         # every chunk is ready before real-time playback from the first one needs it

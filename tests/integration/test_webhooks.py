@@ -130,7 +130,9 @@ async def test_interruption_is_posted_signed(hooked_gateway: RunningGateway, rec
     assert payload["last_word"]["text"] == "three" and payload["spoken_text"] == "one two three"
 
 
-async def test_failed_deliveries_are_retried_with_backoff(hooked_gateway: RunningGateway, receiver: Receiver) -> None:
+async def test_failed_deliveries_are_retried_with_backoff(
+    hooked_gateway: RunningGateway, receiver: Receiver
+) -> None:
     receiver.script = [503, 500]
     async with ws_connect(hooked_gateway.ws) as ws:
         c = Client(ws)
@@ -159,7 +161,9 @@ async def test_a_refusal_is_not_retried(hooked_gateway: RunningGateway, receiver
     assert hooked_gateway.server.gateway.webhooks.stats.failed == 1
 
 
-async def test_a_slow_receiver_never_holds_up_audio(hooked_gateway: RunningGateway, receiver: Receiver) -> None:
+async def test_a_slow_receiver_never_holds_up_audio(
+    hooked_gateway: RunningGateway, receiver: Receiver
+) -> None:
     receiver.delay_s = 1.5
     async with ws_connect(hooked_gateway.ws) as ws:
         c = Client(ws)
@@ -191,8 +195,9 @@ async def test_python_client_on_interrupt(hooked_gateway: RunningGateway, receiv
     assert delivery.json["utterance_id"] == "u1" and delivery.json["played_ms"] == seen[0].played_ms
 
 
-async def test_without_a_secret_the_url_is_refused(gateway_factory: GatewayFactory, receiver: Receiver,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_without_a_secret_the_url_is_refused(
+    gateway_factory: GatewayFactory, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(SECRET_ENV, raising=False)
     running = gateway_factory(FakeEngine(step_s=0.01))
     async with ws_connect(running.ws) as ws:

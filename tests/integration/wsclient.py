@@ -20,8 +20,11 @@ class Received:
     order: list[Any] = field(default_factory=list)  # dicts and headers, as they came
 
     def of_type(self, kind: str, utterance_id: str | None = None) -> list[dict[str, Any]]:
-        return [m for m in self.messages
-                if m["type"] == kind and (utterance_id is None or m.get("utterance_id") == utterance_id)]
+        return [
+            m
+            for m in self.messages
+            if m["type"] == kind and (utterance_id is None or m.get("utterance_id") == utterance_id)
+        ]
 
     def stream_of(self, utterance_id: str) -> int:
         return int(self.of_type("utterance.started", utterance_id)[0]["stream"])
@@ -59,8 +62,10 @@ class Client:
         deadline = loop.time() + wait_s
         while True:
             item = await self.next(max(0.01, deadline - loop.time()))
-            if isinstance(item, dict) and item["type"] == kind and (
-                utterance_id is None or item.get("utterance_id") == utterance_id
+            if (
+                isinstance(item, dict)
+                and item["type"] == kind
+                and (utterance_id is None or item.get("utterance_id") == utterance_id)
             ):
                 return item
 

@@ -1,0 +1,10 @@
+# Source this on a bare GPU machine (no network) before running the GPU scripts:
+#   . bench/gpu_env.sh
+# It installs the wheels carried in .whl/ (downloaded beforehand for cp312 manylinux, see
+# deploy/bench/README.md) into .cache/site and puts them first on PYTHONPATH, beside the machine's own
+# torch. The reference qwen-tts needs transformers 4.57.3, which the overlay provides.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .cache/site .whl/*.whl \
+  || return 1 2>/dev/null || exit 1
+export PYTHONPATH="$PWD/.cache/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$PWD/.cache/site/bin:$PATH" PYTHONUNBUFFERED=1
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"

@@ -1,0 +1,202 @@
+"""The engine step: plan = scheduler.schedule() -> out = runner.execute(plan) -> scheduler.update().
+
+Inputs (new requests, text, cancels) may come from any thread. New requests and text go straight
+to the scheduler under a lock (admission must answer at once); cancels go to a queue drained once
+at the start of each step, so a cancel takes effect at the next step. A step readies the text that
+came since the last one (`prepare` or, all in one batch, `prepare_batch`: e.g. prompt embeddings)
+before it plans. The step loop runs in its own thread and sleeps on a condition when there is
+nothing to do.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from engine.qwen3.plan import RequestOutput, StepOutput, StepPlan
+from engine.qwen3.request import Request, Segment
+from engine.qwen3.scheduler import Scheduler
+
+
+class StepRunner(Protocol):
+    def execute(self, plan: StepPlan) -> StepOutput: ...
+
+
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        sink: OutputSink | None = None,
+        prepare: Callable[[Segment], None] | None = None,
+        prepare_batch: Callable[[list[Segment]], list[str | None]] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sink = sink  # receives each step's outputs (from the step thread)
+        self.prepare = prepare  # readies a segment on the step thread; raises to fail its request
+        self.prepare_batch = prepare_batch  # or readies many at once -> each one's error, or None
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._aborts: deque[str] = deque()
+        self._text: deque[tuple[str, Segment | None]] = deque()  # (id, segment) or (id, None) = close
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._inputs = 0  # bumped by every input, so the loop never sleeps through one
+        self.steps = 0
+
+    # -- inputs (any thread) -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Admit a request (raises Overloaded at capacity)."""
+        with self._wake:
+            self.scheduler.add_request(request)
+            self._inputs += 1
+            self._wake.notify()
+
+    def add_segment(self, request_id: str, segment: Segment) -> None:
+        """Queue text; it joins the request at the next step (after `prepare`)."""
+        with self._wake:
+            self._text.append((request_id, segment))
+            self._inputs += 1
+            self._wake.notify()
+
+    def close_text(self, request_id: str) -> None:
+        with self._wake:
+            self._text.append((request_id, None))
+            self._inputs += 1
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel; applied at the start of the next step."""
+        with self._wake:
+            self._aborts.append(request_id)
+            self._inputs += 1
+            self._wake.notify()
+
+    def run_locked(self, fn: Callable[[Scheduler], object]) -> object:
+        """Read scheduler state consistently from another thread."""
+        with self._lock:
+            return fn(self.scheduler)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outs = self._process_aborts()
+        outs += self._process_text()
+        with self._lock:
+            plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.freed_kv_slots:
+            return outs
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:  # a failed step ends its requests, never the engine
+            ids = {r.request_id for r in plan.decode} | {c.request_id for c in plan.prefill}
+            ids |= {c.request_id for c in plan.codec}
+            with self._lock:
+                outs += self.scheduler.fail(sorted(ids), f"{type(exc).__name__}: {exc}")
+            return outs
+        with self._lock:
+            outs += self.scheduler.update(plan, result)
+        self.steps += 1
+        return outs
+
+    def _process_aborts(self) -> list[RequestOutput]:
+        ids = list(self._aborts)
+        self._aborts.clear()
+        return self.scheduler.abort(ids) if ids else []
+
+    def _process_text(self) -> list[RequestOutput]:
+        """Prepare the queued text (no lock held), then hand it all to the scheduler in one go."""
+        with self._lock:
+            items = list(self._text)
+            self._text.clear()
+        if not items:
+            return []
+        prepared = self._prepare_all(items)
+        outs: list[RequestOutput] = []
+        with self._lock:
+            for request_id, segment, error in prepared:
+                if error is not None:
+                    outs += self.scheduler.fail([request_id], error)
+                elif segment is None:
+                    outs += self.scheduler.close_text(request_id)
+                else:
+                    try:
+                        self.scheduler.add_segment(request_id, segment)
+                    except ValueError as exc:
+                        outs += self.scheduler.fail([request_id], str(exc))
+        return outs
+
+    def _prepare_all(
+        self, items: list[tuple[str, Segment | None]]
+    ) -> list[tuple[str, Segment | None, str | None]]:
+        """Each item with the error that fails its request, or None."""
+        if self.prepare_batch is None:
+            return [(request_id, segment, self._prepare_error(segment)) for request_id, segment in items]
+        segments = [segment for _, segment in items if segment is not None]
+        try:
+            errors = iter(self.prepare_batch(segments) if segments else [])
+        except Exception as exc:  # never the step's end: the batch's requests fail instead
+            errors = iter([f"{type(exc).__name__}: {exc}"] * len(segments))
+        return [
+            (request_id, segment, None if segment is None else next(errors)) for request_id, segment in items
+        ]
+
+    def _prepare_error(self, segment: Segment | None) -> str | None:
+        """Run `prepare` on a segment; the error that fails its request, if any."""
+        if segment is None or self.prepare is None:
+            return None
+        try:
+            self.prepare(segment)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        if outs and self.sink is not None:
+            self.sink(outs)
+
+    # -- the loop thread -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._inputs += 1
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _idle(self) -> bool:
+        return not (self._stopping or self._aborts or self._text or self.scheduler.has_work())
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._idle():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                inputs, steps = self._inputs, self.steps
+            outs = self.step()
+            self._emit(outs)
+            if self.steps == steps and not outs:
+                # nothing could run (e.g. every Code2Wav row is held): sleep until an input arrives
+                with self._wake:
+                    while not self._stopping and self._inputs == inputs:
+                        self._wake.wait()

@@ -1,0 +1,455 @@
+"""Twilio calls across replicas (`cadence serve --redis URL`): the call directory, and the relay of
+an agent's control channel to the replica that holds the call's media stream.
+
+Directory: `{prefix}call:{callSid}` -> {"state": "live", "replica": owner}, written when Twilio's
+`start` arrives, for CALL_TTL_S and refreshed every CALL_REFRESH_S while the call lives; at its end
+{"state": "ended", "replica", "reason"} for ENDED_TTL_S (a late agent gets `call.ended` at once).
+Each start is also announced on `{prefix}calls:up`, so an agent that came first stops waiting.
+
+Relay: `WS /v1/twilio/control/{callSid}` landing on a replica that does not hold the call opens a
+link to the owner over pub/sub, one channel per replica (`{prefix}calls:{replica}`): `attach`, the
+agent's frames, `detach` one way; `attached` / `refused`, the call's events, `close` the other.
+Each side publishes from one task at a time, so both directions keep their order. Both ends ping
+every LINK_PING_S; a link silent for LINK_DEAD_S is dead (the agent gets `error` `call_lost` and
+`call.ended`, or the owner detaches the agent). The owner runs the agent exactly as a local one
+(TwilioGateway.run_agent), so the agent sees the same messages in the same order, and the call's
+interruption webhooks are sent once, by the owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter
+from starlette.websockets import WebSocket, WebSocketState
+
+from gateway.cluster.pubsub import listen_forever
+from gateway.messages import encode
+from gateway.twilio import CLOSE_POLICY, AgentFrame, TwilioGateway, next_agent_frame
+
+log = logging.getLogger("cadence.calls")
+
+CALL_TTL_S: Final = 15
+CALL_REFRESH_S: Final = 5.0
+ENDED_TTL_S: Final = 120
+LINK_PING_S: Final = 1.0
+LINK_DEAD_S: Final = 3.5
+ATTACH_TIMEOUT_S: Final = 2.0
+CALL_WAIT_S: Final = 10.0  # how long an agent that came first waits for Twilio's stream
+WAIT_ENV: Final = "CADENCE_CALL_WAIT_S"
+POLL_S: Final = 0.25  # the directory is read again this often while an agent waits
+MAX_PENDING_FRAMES: Final = 1000  # agent frames held while the owner is not known yet
+CLOSE_INTERNAL: Final = 1011
+
+# compare-and-set: retire a call's entry only while it still names this replica's live call
+_RETIRE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+end
+return false
+"""
+
+
+@dataclass(eq=False)
+class _Link:
+    """One agent relayed between two replicas, seen from either end."""
+
+    peer: str  # the other replica
+    inbox: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+
+
+class _LinkSink:
+    """The owner's AgentSink for a relayed agent: each event is published to the relay."""
+
+    def __init__(self, router: CallRouter, relay: str, link_id: str) -> None:
+        self.router, self.relay, self.link_id = router, relay, link_id
+
+    async def send_text(self, data: str) -> None:
+        await self.router.send(self.relay, {"op": "event", "link": self.link_id, "text": data})
+
+
+class CallRouter:
+    """The call directory and the control-channel relay of one replica (TwilioGateway.router)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        replica_id: str,
+        twilio: TwilioGateway,
+        prefix: str,
+        wait_s: float | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.redis = redis
+        self.replica_id = replica_id
+        self.twilio = twilio
+        self.prefix = prefix
+        self.wait_s = wait_s if wait_s is not None else float(os.environ.get(WAIT_ENV, CALL_WAIT_S))
+        self.channel = self.channel_of(replica_id)
+        self.up_channel = f"{prefix}calls:up"
+        self.live_value = json.dumps({"state": "live", "replica": replica_id})
+        self._owned: set[str] = set()
+        self._links: dict[str, _Link] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._writes: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()  # directory writes, in order
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self.outcomes = Counter(
+            "cadence_twilio_control",
+            "Twilio control channels that landed on a replica not holding the call, "
+            "by outcome (relayed, local, ended, not_found, busy, lost, unreachable)",
+            ["outcome"],
+            registry=registry,
+        )
+        twilio.router = self
+
+    def channel_of(self, replica: str) -> str:
+        return f"{self.prefix}calls:{replica}"
+
+    def key(self, call_sid: str) -> str:
+        return f"{self.prefix}call:{call_sid}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self, wait_s: float = 30.0) -> None:
+        subscribed = asyncio.Event()
+        self._loops = [
+            asyncio.create_task(self._listen_loop(subscribed)),
+            asyncio.create_task(self._write_loop()),
+            asyncio.create_task(self._refresh_loop()),
+        ]
+        await asyncio.wait_for(subscribed.wait(), wait_s)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for call_sid in list(self._owned):  # streams not yet closed by the shutdown
+            self.call_ended(call_sid, "server shutting down")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._writes.join(), grace_s)  # ended calls recorded as such
+        for task in [*self._loops, *self._tasks]:
+            task.cancel()
+        for task in [*self._loops, *self._tasks]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def send(self, replica: str, message: dict[str, Any]) -> None:
+        await self.redis.publish(self.channel_of(replica), json.dumps(message))
+
+    # -- the directory ------------------------------------------------------------------------
+    def call_started(self, call_sid: str) -> None:
+        self._owned.add(call_sid)
+        self._wake(call_sid)
+        self._writes.put_nowait(("live", call_sid, ""))
+
+    def call_ended(self, call_sid: str, reason: str) -> None:
+        if call_sid in self._owned:
+            self._owned.discard(call_sid)
+            self._writes.put_nowait(("ended", call_sid, reason))
+
+    async def lookup(self, call_sid: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(self.key(call_sid))
+        if raw is None:
+            return None
+        with contextlib.suppress(ValueError):
+            entry = json.loads(raw)
+            if isinstance(entry, dict) and entry.get("state") in ("live", "ended"):
+                return entry
+        return None
+
+    async def _write_loop(self) -> None:
+        while True:
+            kind, call_sid, reason = await self._writes.get()
+            try:
+                if kind == "live":
+                    await self.redis.set(self.key(call_sid), self.live_value, ex=CALL_TTL_S)
+                    await self.redis.publish(
+                        self.up_channel, json.dumps({"call": call_sid, "owner": self.replica_id})
+                    )
+                elif kind == "ended":
+                    ended = json.dumps({"state": "ended", "replica": self.replica_id, "reason": reason})
+                    await self.redis.eval(_RETIRE, 1, self.key(call_sid), self.live_value, ended, ENDED_TTL_S)
+                else:
+                    owned = list(self._owned)  # those still live when the refresh comes to be written
+                    if owned:
+                        async with self.redis.pipeline(transaction=False) as pipe:
+                            for sid in owned:
+                                pipe.set(self.key(sid), self.live_value, ex=CALL_TTL_S)
+                            await pipe.execute()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("call directory write (%s %s) failed: %s", kind, call_sid, exc)
+            finally:
+                self._writes.task_done()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CALL_REFRESH_S)
+            if self._owned:
+                self._writes.put_nowait(("refresh", "", ""))
+
+    def _wake(self, call_sid: str) -> None:
+        for event in self._waiters.get(call_sid, ()):
+            event.set()
+
+    # -- pub/sub ------------------------------------------------------------------------------
+    async def _listen_loop(self, subscribed: asyncio.Event) -> None:
+        def on_message(channel: str, data: bytes) -> None:
+            self._dispatch(channel, json.loads(data))
+
+        await listen_forever(
+            self.redis, (self.channel, self.up_channel), on_message, subscribed, "call relay"
+        )
+
+    def _dispatch(self, channel: str, message: dict[str, Any]) -> None:
+        """Synchronous, in arrival order: each link's messages reach its inbox in the order sent."""
+        if channel == self.up_channel:
+            self._wake(str(message.get("call")))
+            return
+        link_id = str(message.get("link"))
+        if message.get("op") == "attach":
+            link = self._links[link_id] = _Link(str(message.get("relay")))
+            self._spawn(self._serve_relayed(str(message.get("call")), link_id, link))
+            return
+        known = self._links.get(link_id)
+        if known is not None:
+            known.inbox.put_nowait(message)
+
+    async def _ping(self, link_id: str, link: _Link) -> None:
+        while True:
+            await self.send(link.peer, {"op": "ping", "link": link_id})
+            await asyncio.sleep(LINK_PING_S)
+
+    # -- the owner's end of a link ------------------------------------------------------------
+    async def _serve_relayed(self, call_sid: str, link_id: str, link: _Link) -> None:
+        """An agent attached through another replica: served as a local one would be."""
+        pinger: asyncio.Task[None] | None = None
+        try:
+            call = self.twilio.owned(call_sid)
+            if call is None or call.agent is not None:
+                reason = "not_here" if call is None else "busy"
+                await self.send(link.peer, {"op": "refused", "link": link_id, "reason": reason})
+                return
+            sink = _LinkSink(self, link.peer, link_id)
+            call.attach_agent(sink)  # before any await: a second agent is refused from here on
+            await self.send(link.peer, {"op": "attached", "link": link_id})
+            pinger = self._spawn(self._ping(link_id, link))
+            await self.twilio.run_agent(call, sink, lambda: self._relayed_frame(link))
+            await self.send(link.peer, {"op": "close", "link": link_id})  # after the call's last event
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("relayed agent of %s lost the store: %s", call_sid, exc)
+        finally:
+            if pinger is not None:
+                pinger.cancel()
+            self._links.pop(link_id, None)
+
+    async def _relayed_frame(self, link: _Link) -> AgentFrame:
+        while True:
+            try:
+                message = await asyncio.wait_for(link.inbox.get(), LINK_DEAD_S)
+            except TimeoutError:
+                return None  # the relay went silent: its replica is gone
+            op = message.get("op")
+            if op == "frame":
+                return str(message.get("text", ""))
+            if op == "binary":
+                return b""
+            if op == "detach":
+                return None
+
+    # -- the agent's end ----------------------------------------------------------------------
+    async def serve_agent(self, websocket: WebSocket, call_sid: str) -> None:
+        """A control channel for a call this replica does not hold: wait for the call to appear
+        (bounded), then serve it here (if it started here meanwhile) or relay it to its owner."""
+        frames: asyncio.Queue[AgentFrame] = asyncio.Queue()
+        reader = self._spawn(self._pump(websocket, frames))
+        try:
+            entry = await self._find(call_sid, reader)
+            if reader.done():
+                return  # the agent left while waiting
+            if entry is None or entry["state"] == "ended" or entry.get("replica") == self.replica_id:
+                self.outcomes.labels(
+                    "not_found" if entry is None else "ended" if entry["state"] == "ended" else "local"
+                ).inc()
+            if entry is None:
+                await self._refuse(
+                    websocket,
+                    "call_not_found",
+                    f"no media stream for call {call_sid[:64]!r} started within {self.wait_s:g} s",
+                )
+            elif entry["state"] == "ended":
+                await _send(
+                    websocket, {"type": "call.ended", "call_sid": call_sid, "reason": entry.get("reason")}
+                )
+            elif entry.get("replica") == self.replica_id:
+                await self._serve_here(websocket, call_sid, frames)
+            else:
+                await self._relay(websocket, call_sid, str(entry.get("replica")), frames)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("control channel of %s: the store is unreachable (%s)", call_sid, exc)
+            self.outcomes.labels("unreachable").inc()
+            await self._refuse(websocket, "internal", "the shared store is unreachable", CLOSE_INTERNAL)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if websocket.application_state is WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await websocket.close()
+
+    async def _pump(self, websocket: WebSocket, frames: asyncio.Queue[AgentFrame]) -> None:
+        """The agent's frames, read as they come (held while the owner is looked for)."""
+        while True:
+            frame = await next_agent_frame(websocket)
+            if frame is not None and frames.qsize() >= MAX_PENDING_FRAMES:
+                with contextlib.suppress(Exception):
+                    await websocket.close(CLOSE_POLICY, "too many messages before the call started")
+                frame = None
+            frames.put_nowait(frame)
+            if frame is None:
+                return
+
+    async def _find(self, call_sid: str, reader: asyncio.Task[None]) -> dict[str, Any] | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        event = asyncio.Event()
+        self._waiters.setdefault(call_sid, set()).add(event)
+        try:
+            while True:
+                event.clear()
+                entry = await self.lookup(call_sid)
+                remaining = deadline - loop.time()
+                if entry is not None or remaining <= 0 or reader.done():
+                    return entry
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(remaining, POLL_S))
+        finally:
+            waiters = self._waiters.get(call_sid)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[call_sid]
+
+    async def _refuse(
+        self, websocket: WebSocket, code: str, message: str, close_code: int = CLOSE_POLICY
+    ) -> None:
+        await _send(websocket, {"type": "error", "code": code, "message": message})
+        with contextlib.suppress(Exception):
+            await websocket.close(close_code, message[:120])
+
+    async def _serve_here(
+        self, websocket: WebSocket, call_sid: str, frames: asyncio.Queue[AgentFrame]
+    ) -> None:
+        call = self.twilio.owned(call_sid)
+        if call is None:
+            await self._refuse(websocket, "call_not_found", f"call {call_sid[:64]!r} has ended")
+            return
+        if call.agent is not None:
+            with contextlib.suppress(Exception):
+                await websocket.close(CLOSE_POLICY, "this call already has an agent")
+            return
+        call.attach_agent(websocket)
+        await self.twilio.run_agent(call, websocket, frames.get)
+
+    async def _relay(
+        self, websocket: WebSocket, call_sid: str, owner: str, frames: asyncio.Queue[AgentFrame]
+    ) -> None:
+        link_id = uuid.uuid4().hex
+        link = self._links[link_id] = _Link(owner)
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            await self.send(
+                owner, {"op": "attach", "link": link_id, "call": call_sid, "relay": self.replica_id}
+            )
+            answer = await self._attach_answer(link)
+            self.outcomes.labels(
+                "lost"
+                if answer is None
+                else "relayed"
+                if answer.get("op") == "attached"
+                else "busy"
+                if answer.get("reason") == "busy"
+                else "not_found"
+            ).inc()
+            if answer is None:
+                await self._refuse(
+                    websocket, "call_lost", "the replica holding this call does not answer", CLOSE_INTERNAL
+                )
+                return
+            if answer.get("op") == "refused":
+                if answer.get("reason") == "busy":
+                    with contextlib.suppress(Exception):
+                        await websocket.close(CLOSE_POLICY, "this call already has an agent")
+                else:
+                    await self._refuse(websocket, "call_not_found", f"call {call_sid[:64]!r} has ended")
+                return
+            forward = self._spawn(self._forward(link_id, owner, frames))
+            deliver = self._spawn(self._deliver(websocket, link))
+            tasks = [forward, deliver, self._spawn(self._ping(link_id, link))]
+            await asyncio.wait({forward, deliver}, return_when=asyncio.FIRST_COMPLETED)
+            if (
+                deliver.done()
+                and not deliver.cancelled()
+                and deliver.exception() is None
+                and not deliver.result()
+            ):
+                self.outcomes.labels("lost").inc()
+                message = "the replica holding this call stopped answering"
+                await _send(websocket, {"type": "error", "code": "call_lost", "message": message})
+                await _send(websocket, {"type": "call.ended", "call_sid": call_sid, "reason": "replica_lost"})
+                with contextlib.suppress(Exception):
+                    await websocket.close(CLOSE_INTERNAL, message)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._links.pop(link_id, None)
+
+    async def _attach_answer(self, link: _Link) -> dict[str, Any] | None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ATTACH_TIMEOUT_S):
+                while True:
+                    message = await link.inbox.get()
+                    if message.get("op") in ("attached", "refused"):
+                        return message
+        return None
+
+    async def _forward(self, link_id: str, owner: str, frames: asyncio.Queue[AgentFrame]) -> None:
+        """The agent's frames to the owner, one publish at a time (in order); `detach` at its end."""
+        while True:
+            frame = await frames.get()
+            if frame is None:
+                await self.send(owner, {"op": "detach", "link": link_id})
+                return
+            if isinstance(frame, str):
+                await self.send(owner, {"op": "frame", "link": link_id, "text": frame})
+            else:
+                await self.send(owner, {"op": "binary", "link": link_id})
+
+    async def _deliver(self, websocket: WebSocket, link: _Link) -> bool:
+        """The call's events to the agent; True when the owner closed the link, False when it
+        went silent (its replica is gone)."""
+        while True:
+            try:
+                message = await asyncio.wait_for(link.inbox.get(), LINK_DEAD_S)
+            except TimeoutError:
+                return False
+            op = message.get("op")
+            if op == "event":
+                await websocket.send_text(str(message.get("text", "")))
+            elif op == "close":
+                return True
+
+
+async def _send(websocket: WebSocket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(Exception):
+        await websocket.send_text(encode(message))

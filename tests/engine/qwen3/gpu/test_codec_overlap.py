@@ -1,0 +1,95 @@
+"""Code2Wav on two CUDA streams. codec_overlap: the later chunks replay their graphs beside the next
+step's talker graphs and the first chunks replay a lane of their own on the talker's stream.
+first_chunk_lane: the later chunks queue behind the sampling on the talker's stream and the first
+chunks replay their lane on a stream of the highest priority. The audio must be what the
+one-stream engine and the offline decoder give (tiny random model, CUDA graphs; skipped without
+CUDA)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from engine.api import SynthesisRequest, TextSegment
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+TEXTS = {
+    "a": ("Hello world. How are you?", 9),
+    "b": ("The quick brown fox jumps over the lazy dog.", 23),
+    "c": ("Good morning", 4),
+    "d": ("One two three four five six seven.", 31),
+    "e": ("A longer sentence that keeps going for a while.", 40),
+    "f": ("Yes.", 2),
+}
+
+
+def test_overlapped_codec_gives_the_one_stream_audio(tmp_path):
+    asyncio.run(_compare(tmp_path))  # a plain event loop: the GPU machine's pytest has no asyncio plugin
+
+
+async def _run(
+    bundle, overlap: bool, lane: bool = False
+) -> tuple[dict[str, list[list[int]]], dict[str, np.ndarray], int]:
+    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+
+    b, codec = bundle
+    engine = Qwen3Engine(
+        b.config,
+        b.generation,
+        b.tokenizer,
+        b.talker,
+        codec,
+        Qwen3EngineConfig(
+            max_streams=8,
+            kv_slots=8,
+            max_len=128,
+            max_batch=8,
+            progress_bar=False,
+            codec_overlap=overlap,
+            first_chunk_lane=lane,
+        ),
+    )
+    engine.qwen3.runner.capture()
+    engine._ready = True
+    streams, states = {}, {}
+    for rid, (text, frames) in TEXTS.items():  # staggered: first chunks meet other streams' later ones
+        streams[rid] = engine.open(
+            SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True, max_frames=frames)
+        )
+        states[rid] = engine.qwen3.scheduler.requests[rid]
+        streams[rid].push(TextSegment(text, char_start=0))
+        streams[rid].close_text()
+        engine.qwen3.core._emit(engine.qwen3.core.step())
+    for _ in range(400):
+        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+            break
+        engine.qwen3.core._emit(engine.qwen3.core.step())
+    audio = {rid: np.concatenate([c.samples async for c in s]) for rid, s in streams.items()}
+    first_lane = sum(1 for k in engine.qwen3.runner.graphs.graphs if k[0] == "codec_first")
+    return {rid: st.codes for rid, st in states.items()}, audio, first_lane
+
+
+async def _compare(tmp_path) -> None:
+    from tests.reference_builders import build_reference_tts, load_ours
+
+    bundle = load_ours(build_reference_tts("custom_voice", tmp_path / "tiny"), "cuda")
+    codes_one, audio_one, lanes_one = await _run(bundle, overlap=False)
+    codes_two, audio_two, lanes_two = await _run(bundle, overlap=True)
+    codes_lane, audio_lane, lanes_lane = await _run(bundle, overlap=False, lane=True)
+    assert lanes_one == 0 and lanes_two > 0 and lanes_lane > 0
+    _, codec = bundle
+    for rid, (_, frames) in TEXTS.items():
+        assert codes_two[rid] == codes_one[rid] == codes_lane[rid] and len(codes_one[rid]) == frames, rid
+        with torch.no_grad():
+            offline = codec.decode(torch.tensor(codes_one[rid], device="cuda")[None])[0].float().cpu().numpy()
+        scale = float(np.abs(offline).max()) or 1.0
+        for audio in (audio_two, audio_lane):
+            assert audio[rid].shape == offline.shape, rid
+            np.testing.assert_allclose(audio[rid], audio_one[rid], atol=1e-3 * scale, err_msg=rid)
+            np.testing.assert_allclose(audio[rid], offline, atol=1e-2 * scale, err_msg=rid)  # cuDNN TF32

@@ -1,0 +1,27 @@
+"""The host-path bench (bench/worker_host.py) runs the real step loop and worker process
+with the GPU's share slept: a short run delivers audio at a step cadence no faster than that sleep,
+and reports how long chunks take from the step thread to the consuming process."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.worker_host import level
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_short_run_reports_cadence_host_time_and_cpu() -> None:
+    args = argparse.Namespace(gpu_ms=10.0, frames=20, seconds=1.0, warmup=0.5, switch_interval_ms=None)
+    row = await level(8, args)
+    assert row["streams"] == 8 and row["ideal_steps_per_s"] == 100.0
+    assert 10.0 <= row["step_interval_ms"] < 60.0  # never faster than the slept GPU share
+    assert 0 < row["host_ms_per_step"] < row["step_interval_ms"]
+    assert row["audio_s_per_s"] > 0 and row["worker_cpu_pct"] > 0
+    # hand-off latency: the step thread's put -> this process's consumer, every chunk and first chunks
+    assert row["first_chunks"] > 0
+    for name in ("handoff", "first_handoff"):
+        assert 0 < row[f"{name}_p50_ms"] <= row[f"{name}_p90_ms"] <= row[f"{name}_p99_ms"] < 1000
+    assert 10.0 <= row["step_interval_p50_ms"] <= row["step_interval_p90_ms"]

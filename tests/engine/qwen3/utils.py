@@ -1,0 +1,89 @@
+"""Builders for scheduler tests (after vLLM's tests/v1/core/utils.py)."""
+
+from __future__ import annotations
+
+from engine.api import ChunkSchedule, Priority, TextSegment
+from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager
+from engine.qwen3.plan import StepOutput, StepPlan
+from engine.qwen3.request import SAMPLES_PER_FRAME, Request, Segment
+from engine.qwen3.scheduler import Scheduler, SchedulerConfig
+
+EOS = 2150
+
+
+class FakeClock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def create_scheduler(
+    num_kv_slots: int = 8,
+    max_len: int = 256,
+    clock: FakeClock | None = None,
+    **config: object,
+) -> Scheduler:
+    layout = KVCacheLayout(num_slots=num_kv_slots, max_len=max_len, bytes_per_token=1024)
+    cfg = SchedulerConfig(**config)  # type: ignore[arg-type]
+    return Scheduler(cfg, KVCacheManager(layout), clock=clock or FakeClock())
+
+
+def make_segment(prompt_len: int = 10, max_frames: int = 100, text: str = "hello world") -> Segment:
+    return Segment(text=TextSegment(text, char_start=0), prompt_len=prompt_len, max_frames=max_frames)
+
+
+def create_requests(
+    n: int,
+    prompt_len: int = 10,
+    max_frames: int = 100,
+    segments: int = 1,
+    priority: Priority = Priority.INTERACTIVE,
+    schedule: ChunkSchedule | None = None,
+    prefix: str = "r",
+    arrival_time: float = 0.0,
+    closed: bool = True,
+) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        r = Request(
+            request_id=f"{prefix}{i}",
+            priority=priority,
+            schedule=schedule or ChunkSchedule(),
+            arrival_time=arrival_time,
+        )
+        for _ in range(segments):
+            r.segments.append(make_segment(prompt_len, max_frames))
+        r.text_closed = closed
+        reqs.append(r)
+    return reqs
+
+
+def fake_output(plan: StepPlan, eos_for: set[str] | None = None) -> StepOutput:
+    """A runner stand-in: frame codes are (row index + 1) repeated, EOS for the ids in eos_for;
+    audio is ones of the right length (first frames decoded in the step that samples them)."""
+    import numpy as np
+
+    eos_for = eos_for or set()
+    codes = [[EOS if rid in eos_for else i + 1] * 16 for i, rid in enumerate(plan.sampling_rows)]
+    audio = {c.request_id: np.ones(c.num_frames * SAMPLES_PER_FRAME, np.float32) for c in plan.codec}
+    # like the runner: a first frame sampled this step is decoded in this step, unless it was EOS
+    audio |= {
+        f.request_id: np.ones(SAMPLES_PER_FRAME, np.float32)
+        for f in plan.first_audio_now
+        if f.request_id not in eos_for
+    }
+    return StepOutput(codes=codes, audio=audio)
+
+
+def run_steps(sched: Scheduler, steps: int, clock: FakeClock | None = None, dt: float = 0.01):
+    """Schedule/update `steps` times; returns the plans and outputs."""
+    plans, outs = [], []
+    for _ in range(steps):
+        plan = sched.schedule()
+        if clock is not None:
+            clock.t += dt
+        outs.extend(sched.update(plan, fake_output(plan)))
+        plans.append(plan)
+    return plans, outs
