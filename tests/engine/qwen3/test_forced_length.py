@@ -29,7 +29,7 @@ def test_frames_are_shared_by_characters_and_sum_to_the_total(total: int, length
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Qwen3Engine:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "bench"))
     from random_checkpoint import write_checkpoint
 
     path = tmp_path_factory.mktemp("random_tiny")

@@ -14,7 +14,7 @@ from engine.api import TextSegment, WordTiming
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from scripts import gpu_segment_joins as joins  # noqa: E402
+from bench import gpu_segment_joins as joins  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
