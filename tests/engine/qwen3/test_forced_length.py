@@ -49,9 +49,9 @@ def engine(tmp_path_factory) -> Qwen3Engine:
 
 def drive(engine: Qwen3Engine, max_steps: int = 400) -> None:
     for _ in range(max_steps):
-        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+        if not engine.scheduler.has_work() and not engine.core._text:
             return
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
 
 
 async def test_a_multi_sentence_forced_request_yields_exactly_its_frames(engine: Qwen3Engine) -> None:
