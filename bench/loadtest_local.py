@@ -1,8 +1,8 @@
 """The load test against a gateway started here: the real gateway with the eSpeak or the null
 engine in a child process, then `cadence bench` (clients.loadtest) against it with the other flags.
 
-    .venv/bin/python -m bench.loadtest_local --engine espeak --corpus bench/corpus.jsonl \
-        --concurrency 1,8,32 --min-seconds 20 -o deploy/bench/loadtest-espeak.json
+    .venv/bin/python -m bench.loadtest_local --engine espeak --concurrency 1,8,32 --min-seconds 20 \
+        -o deploy/bench/loadtest-espeak-2core.json
 """
 
 from __future__ import annotations
