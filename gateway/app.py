@@ -27,6 +27,7 @@ from gateway.auth import (
     from_environment,
     make_token_endpoint,
 )
+from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -103,6 +104,7 @@ class Gateway:
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
         self.ttfa_window = TtfaWindow(self.metrics)
+        self.voice_aliases = VoiceAliases.load(config.voice_aliases_file)  # other vendors' voice names
 
     async def close_sessions(self) -> None:
         """Shutdown: refuse new sessions, drain the open ones (bounded), close them with 1001."""
@@ -276,7 +278,9 @@ def create_app(
         WebSocketRoute("/v1/stream", gateway.stream),
         Route(
             "/v1/audio/speech",
-            make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas_for),
+            make_speech_endpoint(
+                engine, gateway.config, gateway.metrics, gateway.quotas_for, gateway.voice_aliases
+            ),
             methods=["POST"],
         ),
         Route("/v1/tokens", make_token_endpoint(gateway.auth), methods=["POST"]),
