@@ -27,6 +27,7 @@ from gateway.auth import (
     from_environment,
     make_token_endpoint,
 )
+from gateway.compat import Compat, compat_routes
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
@@ -293,6 +294,8 @@ def create_app(
         Route("/", gateway.index),
         *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
+        # ElevenLabs-, Cartesia- and vLLM-Omni-compatible WebSockets over native sessions
+        *compat_routes(Compat(gateway.stream, lambda: engine.info, gateway.voice_aliases, gateway.auth)),
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]
     app = Starlette(
