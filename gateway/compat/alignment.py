@@ -40,8 +40,13 @@ class CharTimeline:
             self._upto, self._end_ms = c1, end
 
     def finish(self, end_ms: int) -> None:
-        """The rest of the text (trailing punctuation, spaces) up to the end of the audio."""
-        self._spread(self.text[self._upto :], self._end_ms, max(end_ms, self._end_ms))
+        """The rest of the text (trailing punctuation, spaces) up to the end of the audio, ending
+        in a space: a reader that takes a word as complete at the space after it (Pipecat) then
+        times the last word too."""
+        rest = self.text[self._upto :]
+        if self.text and not self.text[-1].isspace():
+            rest += " "
+        self._spread(rest, self._end_ms, max(end_ms, self._end_ms))
         self._upto = len(self.text)
 
     def take(self) -> dict[str, list[Any]] | None:

@@ -8,9 +8,10 @@ One native session per socket (voice from the path, through the alias table; `la
   text -> `speak.append` (`flush: true` -> with flush); `{"text": ""}` ends a stream-input stream
   (`speak.end`) and is a keep-alive on multi-stream-input;
 - `close_context`: when everything sent was flushed, the context finishes (`speak.end`: its audio
-  completes, then `isFinal`); with text sent since the last flush it stops now (`speak.cancel`),
-  which is the barge-in ElevenLabs documents; `close_socket`: every context stops, the socket
-  closes.
+  completes, then `isFinal`); with text sent since the last flush, or when it is closed a second
+  time (Pipecat closes a finished turn's context, then again on barge-in), it stops now
+  (`speak.cancel`): the barge-in ElevenLabs documents; `close_socket`: every context stops, the
+  socket closes.
 Native -> client: audio packets -> `{"audio", "alignment", "normalizedAlignment", "contextId"}`
 (PCM and G.711 as packetised; MP3 and Opus encoded here as they come), with character times from
 the session's words (gateway.compat.alignment; `sync_alignment=true` puts them on the context's
@@ -85,6 +86,7 @@ class _Context:
     encoder: StreamEncoder | None
     opened: bool = False  # text went to the native session
     unflushed: bool = False  # text sent since the last flush
+    closing: bool = False  # close_context came: finishing
     final_sent: bool = False
     stream: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -216,9 +218,10 @@ class ElevenLabsSocket(DialectSocket):
             return
         if not ctx.opened:
             await self._final(ctx)
-        elif ctx.unflushed:
+        elif ctx.unflushed or ctx.closing:
             self._native().send({"type": "speak.cancel", "utterance_id": ctx.utterance_id})
         else:
+            ctx.closing = True
             self._end(ctx)
 
     async def _close_all(self) -> None:
