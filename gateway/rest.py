@@ -314,10 +314,11 @@ def make_speech_endpoint(
         return response
 
     async def _speak(request: Request, req: SpeechRequest, hold: _QuotaHold) -> Response:
+        request_id = f"rest-{uuid.uuid4().hex[:12]}"
         try:
             stream = engine.open(
                 SynthesisRequest(
-                    request_id=f"rest-{uuid.uuid4().hex[:12]}",
+                    request_id=request_id,
                     voice=req.voice,
                     language=req.language,
                     instructions=req.instructions,
@@ -346,7 +347,7 @@ def make_speech_endpoint(
         synthesis = _Synthesis(
             stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release
         )
-        headers = {"X-Sample-Rate": str(config.rest_sample_rate)}
+        headers = {"X-Sample-Rate": str(config.rest_sample_rate), "X-Request-Id": request_id}
         release = BackgroundTask(hold.release)  # also when the client left before the first byte
         rate = config.rest_sample_rate
         encoder = StreamEncoder(req.response_format, rate)
