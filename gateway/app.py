@@ -289,6 +289,7 @@ def create_app(
         Route("/v1/voices/{voice_id}", voices_item, methods=["GET", "DELETE"]),
         Route("/healthz", gateway.healthz),
         Route("/readyz", gateway.readyz),
+        Route("/health", gateway.readyz),  # vLLM's name for it (vLLM-Omni clients probe it)
         Route("/metrics", gateway.metrics_page),
         Route("/v1/load", gateway.live_load),
         Route("/", gateway.index),

@@ -272,7 +272,7 @@ def from_environment(keys_file: str | None, allowed_origins: Iterable[str] = ())
 
 # -- on the wire -------------------------------------------------------------------------------
 
-PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/favicon.ico"})
+PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/health", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/web/",)
 # WebSockets whose dialect may send its credentials in its first message (ElevenLabs): without a
 # credential they are let through marked `auth_deferred`, and the dialect authenticates

@@ -11,7 +11,6 @@ from gateway.compat.cartesia import CartesiaEndpoints
 from gateway.compat.elevenlabs import ElevenLabsEndpoints
 from gateway.compat.vllm_omni import VllmOmniEndpoints
 
-
 __all__ = ["Compat", "compat_routes"]
 
 

@@ -226,8 +226,8 @@ class CartesiaSocket(DialectSocket):
     async def on_link_message(self, link: NativeLink, message: NativeMessage) -> None:
         kind = message.get("type")
         ctx = self.by_utterance.get(str(message.get("utterance_id")))
-        if ctx is None:
-            if kind == "error":
+        if ctx is None:  # an error about an utterance that has ended already says nothing new
+            if kind == "error" and "utterance_id" not in message:
                 await self.error(str(message.get("code")), str(message.get("message")))
             return
         if kind in ("utterance.done", "utterance.interrupted", "error"):

@@ -246,6 +246,8 @@ class ElevenLabsSocket(DialectSocket):
         elif kind == "utterance.interrupted" and ctx is not None:
             await self._final(ctx)
         elif kind == "error":
+            if ctx is not None and ctx.final_sent:
+                return  # about a context that has ended already: nothing new
             await self._error(
                 str(message.get("code")), str(message.get("message")), ctx.context_id if ctx else None
             )

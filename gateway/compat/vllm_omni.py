@@ -245,8 +245,8 @@ class VllmOmniSocket(DialectSocket):
     # -- native -> client, in order ----------------------------------------------------------
     async def on_link_message(self, link: NativeLink, message: NativeMessage) -> None:
         utt = self.by_utterance.get(str(message.get("utterance_id")))
-        if utt is None:
-            if message.get("type") == "error":
+        if utt is None:  # an error about an utterance that has ended already says nothing new
+            if message.get("type") == "error" and "utterance_id" not in message:
                 await self.error(str(message.get("message")))
             return
         kind = message.get("type")

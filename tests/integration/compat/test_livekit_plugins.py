@@ -8,6 +8,7 @@ OpenAI request aborted, the Baseten socket closed) the engine stops too."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -175,10 +176,12 @@ async def test_closing_the_stream_stops_the_engine(
     """These plugins tell the server when the agent stops listening (the HTTP response or the
     socket is closed): the engine's stream is cancelled then, long before its text is spoken."""
     cancelled_at: list[float] = []
+    cancelled = threading.Event()  # set on the gateway's thread
     cancel = FakeStream.cancel
 
     def timed_cancel(stream: FakeStream) -> None:
         cancelled_at.append(time.monotonic())
+        cancelled.set()
         cancel(stream)
 
     monkeypatch.setattr(FakeStream, "cancel", timed_cancel)
@@ -202,9 +205,7 @@ async def test_closing_the_stream_stops_the_engine(
             break
         closed_at = time.monotonic()
         await stream.aclose()
-        deadline = time.monotonic() + 5
-        while not cancelled_at and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await asyncio.to_thread(cancelled.wait, 5)
     finally:
         await tts.aclose()
     assert cancelled_at and cancelled_at[0] >= closed_at - 0.05
