@@ -44,6 +44,7 @@ log = logging.getLogger("cadence.app")
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "clients" / "web"
 WEB_PAGE = WEB_DIR / "index.html"
+FAVICON = WEB_DIR / "favicon.ico"
 
 
 class TtfaWindow:
@@ -293,6 +294,7 @@ def create_app(
         Route("/metrics", gateway.metrics_page),
         Route("/v1/load", gateway.live_load),
         Route("/", gateway.index),
+        Route("/favicon.ico", lambda request: FileResponse(FAVICON, media_type="image/x-icon")),
         *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
         # ElevenLabs-, Cartesia- and vLLM-Omni-compatible WebSockets over native sessions
