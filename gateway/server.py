@@ -39,7 +39,7 @@ def check_exposure(host: str, auth_enabled: bool, insecure: bool) -> str:
     a non-loopback address unless `insecure` was asked for."""
     if auth_enabled:
         return (
-            f"API keys configured: every endpoint but /, /healthz and /readyz needs a key or token ({host})"
+            f"API keys configured: every endpoint but /, /healthz, /readyz and /health needs a key or token ({host})"
         )
     if is_loopback(host):
         return (
