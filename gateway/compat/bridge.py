@@ -224,11 +224,18 @@ class DialectSocket:
             asyncio.get_running_loop().create_task(self._close(code, reason))
 
     async def _close(self, code: int, reason: str) -> None:
-        async with self._write_lock:
+        # after the frame being written, unless the client has stopped taking bytes
+        locked = False
+        with contextlib.suppress(TimeoutError):
+            locked = await asyncio.wait_for(self._write_lock.acquire(), 1.0)
+        try:
             if self.websocket.application_state is WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):
                     await self.websocket.close(code, reason[:120])
-        self._socket_closed.set()
+        finally:
+            if locked:
+                self._write_lock.release()
+            self._socket_closed.set()
 
     async def run(self) -> None:
         """Serve the (accepted) socket until the client leaves or the dialect closes it."""

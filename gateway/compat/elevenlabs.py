@@ -125,6 +125,8 @@ class ElevenLabsSocket(DialectSocket):
 
     # -- client -> native --------------------------------------------------------------------
     async def on_text(self, text: str) -> None:
+        if self.format is None:
+            return  # refused at the start: the socket is closing
         message = parse_object(text)
         if message is None:
             await self.send_json({"error": "invalid_message", "message": "a message is a JSON object"})
@@ -234,6 +236,8 @@ class ElevenLabsSocket(DialectSocket):
     async def on_link_message(self, link: NativeLink, message: NativeMessage) -> None:
         kind = message.get("type")
         ctx = self.by_utterance.get(str(message.get("utterance_id")))
+        if ctx is None and "utterance_id" in message:
+            return  # about a context that has ended already: nothing new
         if kind == "utterance.started" and ctx is not None:
             ctx.stream = int(message["stream"])
             self.by_stream[ctx.stream] = ctx
@@ -246,8 +250,6 @@ class ElevenLabsSocket(DialectSocket):
         elif kind == "utterance.interrupted" and ctx is not None:
             await self._final(ctx)
         elif kind == "error":
-            if ctx is not None and ctx.final_sent:
-                return  # about a context that has ended already: nothing new
             await self._error(
                 str(message.get("code")), str(message.get("message")), ctx.context_id if ctx else None
             )
@@ -288,6 +290,7 @@ class ElevenLabsSocket(DialectSocket):
             ctx.encoder.close()
         if self.contexts.get(ctx.context_id) is ctx:
             del self.contexts[ctx.context_id]
+        self.by_utterance.pop(ctx.utterance_id, None)
         if ctx.stream is not None:
             self.by_stream.pop(ctx.stream, None)
         if self.multi:
@@ -308,7 +311,7 @@ class ElevenLabsSocket(DialectSocket):
             self.close(link.close_code or 1011, link.close_reason)
 
     async def finished(self) -> None:
-        for ctx in list(self.by_utterance.values()):
+        for ctx in list(self.contexts.values()):
             if ctx.encoder is not None:
                 ctx.encoder.close()
 
