@@ -225,6 +225,11 @@ class Session:
         self.errors: list[Error] = []  # errors not tied to an utterance
         self.stray_packets = 0  # packets of streams not (or no longer) announced
 
+    @property
+    def closed(self) -> bool:
+        """The session has ended (session.ended came, or the connection is gone)."""
+        return self._ended.is_set()
+
     async def _start(self, options: Mapping[str, Any]) -> None:
         await self._send({"type": "session.start", **options})
         while True:

@@ -27,6 +27,8 @@ from gateway.auth import (
     from_environment,
     make_token_endpoint,
 )
+from gateway.compat import Compat, compat_routes
+from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -42,6 +44,7 @@ log = logging.getLogger("cadence.app")
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "clients" / "web"
 WEB_PAGE = WEB_DIR / "index.html"
+FAVICON = WEB_DIR / "favicon.ico"
 
 
 class TtfaWindow:
@@ -103,6 +106,7 @@ class Gateway:
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
         self.ttfa_window = TtfaWindow(self.metrics)
+        self.voice_aliases = VoiceAliases.load(config.voice_aliases_file)  # other vendors' voice names
 
     async def close_sessions(self) -> None:
         """Shutdown: refuse new sessions, drain the open ones (bounded), close them with 1001."""
@@ -276,7 +280,9 @@ def create_app(
         WebSocketRoute("/v1/stream", gateway.stream),
         Route(
             "/v1/audio/speech",
-            make_speech_endpoint(engine, gateway.config, gateway.metrics, gateway.quotas_for),
+            make_speech_endpoint(
+                engine, gateway.config, gateway.metrics, gateway.quotas_for, gateway.voice_aliases
+            ),
             methods=["POST"],
         ),
         Route("/v1/tokens", make_token_endpoint(gateway.auth), methods=["POST"]),
@@ -284,11 +290,15 @@ def create_app(
         Route("/v1/voices/{voice_id}", voices_item, methods=["GET", "DELETE"]),
         Route("/healthz", gateway.healthz),
         Route("/readyz", gateway.readyz),
+        Route("/health", gateway.readyz),  # vLLM's name for it (vLLM-Omni clients probe it)
         Route("/metrics", gateway.metrics_page),
         Route("/v1/load", gateway.live_load),
         Route("/", gateway.index),
+        Route("/favicon.ico", lambda request: FileResponse(FAVICON, media_type="image/x-icon")),
         *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
+        # ElevenLabs-, Cartesia- and vLLM-Omni-compatible WebSockets over native sessions
+        *compat_routes(Compat(gateway.stream, lambda: engine.info, gateway.voice_aliases, gateway.auth)),
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]
     app = Starlette(

@@ -12,7 +12,10 @@ the payload naming the key id, the voices the token may use (null = any) and the
 signing secret is CADENCE_TOKEN_SECRET (several instances must share it) or random per process.
 
 Where: `Authorization: Bearer <key or token>` on REST and WebSocket; `?token=` on WebSocket only
-(a key in a URL ends up in logs). Browser WebSockets (an `Origin` header) must come from an allowed
+(a key in a URL ends up in logs). For the compatible dialects (gateway.compat) the same keys and
+tokens also come as their vendors send them: `Authorization: Api-Key <key>` (Baseten),
+`xi-api-key` (ElevenLabs), `X-API-Key` (Cartesia), and on WebSocket `?api_key=` / `?access_token=`
+(Cartesia); an ElevenLabs socket without any may authenticate in its first message instead. Browser WebSockets (an `Origin` header) must come from an allowed
 origin: the configured list, or the gateway's own origin (the demo page). With no keys configured
 everything is open to an anonymous principal, and the server binds loopback only (gateway.server).
 """
@@ -202,6 +205,26 @@ def bearer(headers: dict[str, str]) -> str | None:
     return credential.strip() or None if scheme.lower() == "bearer" else None
 
 
+VENDOR_HEADERS = ("xi-api-key", "x-api-key")  # ElevenLabs, Cartesia
+VENDOR_SCHEMES = ("bearer", "api-key", "token")  # Authorization schemes (Api-Key: Baseten)
+WEBSOCKET_QUERY = ("token", "access_token", "api_key")
+
+
+def presented_credential(headers: dict[str, str], query: str | None = None) -> str | None:
+    """The key or token a request presents, however its vendor's client sends it; `query` (a
+    WebSocket's query string) is read only when no header carries one."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    if scheme.lower() in VENDOR_SCHEMES and value.strip():
+        return value.strip()
+    for name in VENDOR_HEADERS:
+        if headers.get(name, "").strip():
+            return headers[name].strip()
+    if query is None:
+        return None
+    params = parse_qs(query)
+    return next((params[name][0] for name in WEBSOCKET_QUERY if params.get(name)), None)
+
+
 def origin_allowed(
     origin: str | None, host: str | None, allowed: Iterable[str], scheme: str = "http"
 ) -> bool:
@@ -249,8 +272,11 @@ def from_environment(keys_file: str | None, allowed_origins: Iterable[str] = ())
 
 # -- on the wire -------------------------------------------------------------------------------
 
-PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/favicon.ico"})
+PUBLIC_PATHS = frozenset({"/", "/healthz", "/readyz", "/health", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/web/",)
+# WebSockets whose dialect may send its credentials in its first message (ElevenLabs): without a
+# credential they are let through marked `auth_deferred`, and the dialect authenticates
+DEFERRED_PREFIXES = ("/v1/text-to-speech/",)
 CLOSE_POLICY = 1008
 
 
@@ -278,14 +304,18 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        credential = bearer(headers)
+        websocket = kind == "websocket"
+        credential = presented_credential(
+            headers, scope.get("query_string", b"").decode("latin-1") if websocket else None
+        )
         try:
-            if kind == "websocket":
+            if websocket:
                 if not origin_allowed(headers.get("origin"), headers.get("host"), self.auth.allowed_origins):
                     raise AuthError(f"origin {headers.get('origin', '')[:100]!r} is not allowed")
-                if credential is None:
-                    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-                    credential = (query.get("token") or [None])[0]
+                if credential is None and self.auth.enabled and path.startswith(DEFERRED_PREFIXES):
+                    scope.setdefault("state", {})["auth_deferred"] = True
+                    await self.app(scope, receive, send)
+                    return
             principal = await self._authenticate(credential)
         except AuthError as exc:
             if kind == "http":
@@ -299,9 +329,14 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     async def _authenticate(self, credential: str | None) -> Principal:
-        if credential and credential.startswith(KEY_PREFIX) and self.auth.enabled:
-            return await asyncio.to_thread(self.auth.authenticate, credential)  # a hash: off the loop
-        return self.auth.authenticate(credential)
+        return await authenticate(self.auth, credential)
+
+
+async def authenticate(auth: Authenticator, credential: str | None) -> Principal:
+    """`auth.authenticate`, with a key's hash computed off the event loop; raises AuthError."""
+    if credential and credential.startswith(KEY_PREFIX) and auth.enabled:
+        return await asyncio.to_thread(auth.authenticate, credential)
+    return auth.authenticate(credential)
 
 
 def make_token_endpoint(auth: Authenticator, default_ttl_s: float = 300.0) -> Any:

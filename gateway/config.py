@@ -57,6 +57,9 @@ class GatewayConfig:
     max_voices: int = 1_000
     # where registered voices are kept (FLAC + JSON); None = in memory only
     voices_dir: str | None = None
+    # other vendors' voice names -> engine voices, a JSON object (gateway.compat.voices); None =
+    # the CADENCE_VOICE_ALIASES file, else the default table alone
+    voice_aliases_file: str | None = None
     # API keys file (hashed lines, gateway.auth); keys also come from CADENCE_API_KEYS
     api_keys_file: str | None = None
     # browser origins allowed to open WebSockets, besides the gateway's own ("*" = any)

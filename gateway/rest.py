@@ -1,16 +1,22 @@
-"""POST /v1/audio/speech, compatible with OpenAI's speech endpoint, plus `language` and
-`timestamps`. Formats: wav and flac (whole file), pcm (s16le mono at `rest_sample_rate`, streamed
-as it is made). `stream_format: "sse"` streams `speech.audio.delta` events (base64 pcm) and ends
-with `speech.audio.done`; with `timestamps: true` it adds `speech.audio.words` events.
-Errors are JSON `{"error": {"message", "type", "code"}}`: 400 for bad input, 429 with Retry-After
-when the engine is overloaded, 500 for engine failures.
+"""POST /v1/audio/speech as OpenAI's speech endpoint (and its SDK) use it, plus `language`,
+`timestamps` and one-off voice clones (`ref_audio`, `ref_text`).
+
+`model`: OpenAI's names (tts-1, tts-1-hd, gpt-4o-mini-tts, ...) or ours (`cadence`, the engine's
+name or model); all speak with the one engine, and `instructions` are ignored with tts-1 and
+tts-1-hd, as OpenAI documents. `voice`: a name or `{"id": ...}`, OpenAI's names mapped to engine
+voices by the alias table (gateway.compat.voices). `response_format` (default mp3): mp3, opus
+(Ogg), aac (ADTS), wav and pcm (s16le mono at `rest_sample_rate`) are streamed as they are made;
+flac comes whole (gateway.compat.encoding says why). `stream_format: "sse"` streams
+`speech.audio.delta` events (base64 pieces of the file in `response_format`) and ends with
+`speech.audio.done`; with `timestamps: true` it adds `speech.audio.words` events.
+Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 429 with
+Retry-After when the engine is overloaded, 500 for engine failures.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import logging
 import math
@@ -18,17 +24,26 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import soundfile as sf
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream, float_samples
+from engine.api import (
+    AudioChunk,
+    Engine,
+    EngineError,
+    EngineInfo,
+    SynthesisRequest,
+    SynthesisStream,
+    float_samples,
+)
 from gateway.auth import ANONYMOUS, Principal
+from gateway.compat.encoding import CONTAINERS, MEDIA_TYPES, Container, StreamEncoder
+from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message, retry_after_s
 from gateway.languages import normalise_language
@@ -41,8 +56,16 @@ from gateway.voices import ClipError, decode_clip, read_limited
 
 log = logging.getLogger("cadence.rest")
 
-ResponseFormat = Literal["wav", "pcm", "flac"]
-MEDIA_TYPES: dict[str, str] = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+OPENAI_MODELS = (
+    "tts-1",
+    "tts-1-hd",
+    "tts-1-1106",
+    "tts-1-hd-1106",
+    "gpt-4o-mini-tts",
+    "gpt-4o-mini-tts-2025-03-20",
+    "gpt-4o-mini-tts-2025-12-15",
+)
+NO_INSTRUCTIONS = ("tts-1", "tts-1-hd", "tts-1-1106", "tts-1-hd-1106")  # as OpenAI documents
 
 
 class BadRequest(Exception):
@@ -58,7 +81,7 @@ class SpeechRequest:
     voice: str | None
     instructions: str | None
     language: str
-    response_format: ResponseFormat
+    response_format: Container
     speed: float
     sse: bool
     timestamps: bool
@@ -73,7 +96,9 @@ def error_response(
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 429:
         kind = "rate_limit_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers=headers
+    )
 
 
 def _optional_text(body: dict[str, Any], name: str) -> str | None:
@@ -85,7 +110,16 @@ def _optional_text(body: dict[str, Any], name: str) -> str | None:
     return value
 
 
-def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
+def served_models(engine: EngineInfo) -> tuple[str, ...]:
+    return (*OPENAI_MODELS, "cadence", engine.name, engine.model)
+
+
+def parse_speech_request(
+    body: object,
+    config: GatewayConfig,
+    engine: EngineInfo | None = None,
+    aliases: VoiceAliases | None = None,
+) -> SpeechRequest:
     if not isinstance(body, dict):
         raise BadRequest("invalid_message", "the body must be a JSON object")
     text = body.get("input")
@@ -93,15 +127,19 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
         raise BadRequest("invalid_message", "`input` must be a non-empty string")
     if len(text) > config.max_text_chars:
         raise BadRequest("text_too_long", f"`input` holds at most {config.max_text_chars} characters")
+    model = _optional_text(body, "model")
+    if model is not None and engine is not None and model not in served_models(engine):
+        raise BadRequest(
+            "invalid_request",
+            f"model {model[:60]!r} is not served here; use one of {', '.join(served_models(engine))}",
+        )
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         raise BadRequest("invalid_message", "`stream_format` must be audio or sse")
     sse = stream_format == "sse"
-    fmt = body.get("response_format") or ("pcm" if sse else "wav")
-    if fmt not in MEDIA_TYPES:
-        raise BadRequest("unsupported_output", "`response_format` must be one of wav, pcm, flac")
-    if sse and fmt != "pcm":
-        raise BadRequest("unsupported_output", "stream_format sse carries pcm audio")
+    fmt = body.get("response_format") or "mp3"
+    if fmt not in CONTAINERS:
+        raise BadRequest("unsupported_output", f"`response_format` must be one of {', '.join(CONTAINERS)}")
     speed = body.get("speed", 1.0)
     if speed is None:
         speed = 1.0
@@ -110,12 +148,18 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
     timestamps = body.get("timestamps", False)
     if not isinstance(timestamps, bool):
         raise BadRequest("invalid_message", "`timestamps` must be true or false")
-    response_format: ResponseFormat = "wav" if fmt == "wav" else "pcm" if fmt == "pcm" else "flac"
+    response_format: Container = next(c for c in CONTAINERS if c == fmt)
     ref_audio = _reference_clip(body.get("ref_audio"))
+    voice = _voice(body.get("voice"))
+    if engine is not None:
+        voice = (aliases or VoiceAliases()).resolve(voice, engine)
+    instructions = _optional_text(body, "instructions")
+    if model in NO_INSTRUCTIONS:
+        instructions = None
     return SpeechRequest(
         input=text,
-        voice=_optional_text(body, "voice"),
-        instructions=_optional_text(body, "instructions"),
+        voice=voice,
+        instructions=instructions,
         language=normalise_language(_optional_text(body, "language")),
         response_format=response_format,
         speed=float(speed),
@@ -124,6 +168,17 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
         ref_audio=ref_audio,
         ref_text=_optional_text(body, "ref_text"),
     )
+
+
+def _voice(value: object) -> str | None:
+    """`voice`: a name, or OpenAI's custom-voice object `{"id": ...}`."""
+    if isinstance(value, dict):
+        value = value.get("id")
+        if not isinstance(value, str) or not value:
+            raise BadRequest("invalid_message", "`voice.id` must be a non-empty string")
+    if value is not None and not isinstance(value, str):
+        raise BadRequest("invalid_message", "`voice` must be a string or an object with an `id`")
+    return value
 
 
 def _reference_clip(value: object) -> tuple[npt.NDArray[np.float32], int] | None:
@@ -217,6 +272,7 @@ def make_speech_endpoint(
     config: GatewayConfig,
     metrics: GatewayMetrics,
     quotas_for: Callable[[Principal], Quotas | None] = lambda principal: None,
+    aliases: VoiceAliases | None = None,
 ) -> Callable[[Request], Awaitable[Response]]:
     def fail(
         status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
@@ -235,7 +291,7 @@ def make_speech_endpoint(
         except ValueError:
             return fail(400, "invalid_message", "the body is not valid JSON")
         try:
-            req = parse_speech_request(body, config)
+            req = parse_speech_request(body, config, engine.info, aliases)
         except BadRequest as exc:
             return fail(400, exc.code, exc.message)
         principal: Principal = getattr(request.state, "principal", ANONYMOUS)
@@ -258,10 +314,11 @@ def make_speech_endpoint(
         return response
 
     async def _speak(request: Request, req: SpeechRequest, hold: _QuotaHold) -> Response:
+        request_id = f"rest-{uuid.uuid4().hex[:12]}"
         try:
             stream = engine.open(
                 SynthesisRequest(
-                    request_id=f"rest-{uuid.uuid4().hex[:12]}",
+                    request_id=request_id,
                     voice=req.voice,
                     language=req.language,
                     instructions=req.instructions,
@@ -290,49 +347,66 @@ def make_speech_endpoint(
         synthesis = _Synthesis(
             stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release
         )
-        headers = {"X-Sample-Rate": str(config.rest_sample_rate)}
+        headers = {"X-Sample-Rate": str(config.rest_sample_rate), "X-Request-Id": request_id}
         release = BackgroundTask(hold.release)  # also when the client left before the first byte
+        rate = config.rest_sample_rate
+        encoder = StreamEncoder(req.response_format, rate)
         if req.sse:
             return StreamingResponse(
-                _sse_events(synthesis, req, metrics),
+                _sse_events(synthesis, req, metrics, encoder),
                 media_type="text/event-stream",
                 headers={**headers, "Cache-Control": "no-cache"},
                 background=release,
             )
-        if req.response_format == "pcm":
-            return StreamingResponse(
-                _pcm_bytes(synthesis, metrics),
-                media_type=MEDIA_TYPES["pcm"],
-                headers=headers,
-                background=release,
-            )
-        try:
-            pcm = b"".join([piece async for piece, _ in synthesis.pieces()])
-        except EngineError as exc:
-            return fail(500, error_code(exc), public_message(exc))
-        buffer = io.BytesIO()
-        audio = np.frombuffer(pcm, dtype="<i2")
-        sf.write(buffer, audio, config.rest_sample_rate, format=req.response_format.upper(), subtype="PCM_16")
-        return Response(buffer.getvalue(), media_type=MEDIA_TYPES[req.response_format], headers=headers)
+        media_type = MEDIA_TYPES[req.response_format]
+        if req.response_format == "flac":  # whole: its header holds the length
+            try:
+                async for piece, _ in synthesis.pieces():
+                    encoder.encode(np.frombuffer(piece, dtype="<i2"))
+            except EngineError as exc:
+                return fail(500, error_code(exc), public_message(exc))
+            return Response(encoder.finish(), media_type=media_type, headers=headers)
+        return StreamingResponse(
+            _file_bytes(synthesis, encoder, metrics),
+            media_type=media_type,
+            headers=headers,
+            background=release,
+        )
 
     return speech
 
 
-async def _pcm_bytes(synthesis: _Synthesis, metrics: GatewayMetrics) -> AsyncIterator[bytes]:
+async def _file_bytes(
+    synthesis: _Synthesis, encoder: StreamEncoder, metrics: GatewayMetrics
+) -> AsyncIterator[bytes]:
+    """The file's bytes as the encoder makes them; an engine failure ends the stream short."""
+    finished = False
     try:
         async for piece, _ in synthesis.pieces():
-            if piece:
-                yield piece
+            data = encoder.encode(np.frombuffer(piece, dtype="<i2"))
+            if data:
+                yield data
+        finished = True
+        tail = encoder.finish()
+        if tail:
+            yield tail
     except EngineError as exc:  # the status is sent already: the stream ends short
         metrics.errors.labels(error_code(exc)).inc()
         log.warning("speech stream failed: %s", exc)
+    finally:
+        if not finished:
+            encoder.close()
 
 
 async def _sse_events(
-    synthesis: _Synthesis, req: SpeechRequest, metrics: GatewayMetrics
+    synthesis: _Synthesis, req: SpeechRequest, metrics: GatewayMetrics, encoder: StreamEncoder
 ) -> AsyncIterator[bytes]:
     rate = synthesis.engine_rate
     index = 0
+
+    def delta(data: bytes) -> bytes:
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+
     try:
         async for piece, chunk in synthesis.pieces():
             if req.timestamps and chunk.words:
@@ -350,15 +424,23 @@ async def _sse_events(
                     )
                     index += 1
                 yield _sse({"type": "speech.audio.words", "words": words})
-            if piece:
-                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+            data = encoder.encode(np.frombuffer(piece, dtype="<i2"))
+            if data:
+                yield delta(data)
+        tail = encoder.finish()
+        if tail:
+            yield delta(tail)
     except EngineError as exc:
+        encoder.close()
         code = error_code(exc)
         metrics.errors.labels(code).inc()
         yield _sse(
             {"type": "error", "error": {"message": public_message(exc), "type": "server_error", "code": code}}
         )
         return
+    except BaseException:
+        encoder.close()
+        raise
     duration_ms = round(synthesis.samples_out * 1000 / synthesis.out_rate)
     yield _sse(
         {

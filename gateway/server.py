@@ -38,9 +38,7 @@ def check_exposure(host: str, auth_enabled: bool, insecure: bool) -> str:
     """The start-up line about who can reach the server; raises SystemExit for an open server on
     a non-loopback address unless `insecure` was asked for."""
     if auth_enabled:
-        return (
-            f"API keys configured: every endpoint but /, /healthz and /readyz needs a key or token ({host})"
-        )
+        return f"API keys configured: every endpoint but /, /healthz, /readyz and /health needs a key or token ({host})"
     if is_loopback(host):
         return (
             f"no API keys configured: open to anyone on this machine, listening on loopback {host} only "

@@ -283,9 +283,17 @@ async function loadVoices() {
     const response = await fetch("/v1/voices", token ? { headers: { Authorization: `Bearer ${token}` } } : {});
     if (!response.ok) return;
     const body = await response.json();
-    for (const v of body.voices || []) {
-      const id = v.voice_id || v.id || v.name;
-      $("voice").add(new Option(v.name || id, id));
+    // the engine's presets, then the voices registered with POST /v1/voices
+    const groups = [
+      ["Engine presets", (body.presets || []).map((name) => [name, name])],
+      ["Registered voices", (body.voices || []).map((v) => [v.name || v.voice_id || v.id, v.voice_id || v.id || v.name])],
+    ];
+    for (const [label, voices] of groups) {
+      if (!voices.length) continue;
+      const group = document.createElement("optgroup");
+      group.label = label;
+      for (const [name, id] of voices) group.append(new Option(name, id));
+      $("voice").append(group);
     }
   } catch (e) { /* the voice list is optional */ }
 }

@@ -32,7 +32,7 @@ async def post(g: RunningGateway, **body: object) -> httpx.Response:
 
 @pytest.mark.parametrize("fmt", ["wav", "flac"])
 async def test_file_formats_round_trip(gateway: RunningGateway, fmt: str) -> None:
-    response = await post(gateway, model="any", input=TEXT, voice="alice", response_format=fmt)
+    response = await post(gateway, model="tts-1", input=TEXT, voice="alice", response_format=fmt)
     assert response.status_code == 200
     assert response.headers["content-type"] == f"audio/{fmt}"
     audio, rate = sf.read(io.BytesIO(response.content), dtype="float32")
@@ -44,10 +44,10 @@ async def test_file_formats_round_trip(gateway: RunningGateway, fmt: str) -> Non
     assert np.allclose(audio[: len(first)], first, atol=2 / 32768)
 
 
-async def test_wav_is_the_default(gateway: RunningGateway) -> None:
+async def test_mp3_is_the_default(gateway: RunningGateway) -> None:
     response = await post(gateway, input="Hi.")
-    assert response.headers["content-type"] == "audio/wav"
-    assert response.content[:4] == b"RIFF"
+    assert response.headers["content-type"] == "audio/mpeg"
+    assert response.content[:3] == b"ID3"
 
 
 async def test_pcm_streams_raw_s16le(gateway: RunningGateway) -> None:
@@ -75,7 +75,9 @@ async def test_speed_shortens_the_audio(gateway: RunningGateway) -> None:
 async def test_sse_events(gateway: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.http, timeout=30) as http:
         async with http.stream(
-            "POST", "/v1/audio/speech", json={"input": TEXT, "stream_format": "sse", "timestamps": True}
+            "POST",
+            "/v1/audio/speech",
+            json={"input": TEXT, "stream_format": "sse", "response_format": "pcm", "timestamps": True},
         ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
@@ -101,8 +103,9 @@ async def test_sse_events(gateway: RunningGateway) -> None:
         ({"input": ""}, "invalid_message"),
         ({"input": "   "}, "invalid_message"),
         ({"input": 5}, "invalid_message"),
-        ({"input": "hi", "response_format": "mp3"}, "unsupported_output"),
-        ({"input": "hi", "response_format": "wav", "stream_format": "sse"}, "unsupported_output"),
+        ({"input": "hi", "response_format": "ogg"}, "unsupported_output"),
+        ({"input": "hi", "model": "whisper-1"}, "invalid_request"),
+        ({"input": "hi", "voice": {"name": "x"}}, "invalid_message"),
         ({"input": "hi", "stream_format": "websocket"}, "invalid_message"),
         ({"input": "hi", "speed": 10}, "invalid_message"),
         ({"input": "hi", "speed": "fast"}, "invalid_message"),
@@ -145,7 +148,7 @@ async def test_engine_refusal_is_400(gateway_factory: GatewayFactory) -> None:
 
 async def test_engine_failure_mid_synthesis(gateway_factory: GatewayFactory) -> None:
     g = gateway_factory(FakeEngine(fail_after_words=2))
-    response = await post(g, input=TEXT)
+    response = await post(g, input=TEXT, response_format="flac")  # whole: the failure has its status
     assert response.status_code == 500 and response.json()["error"]["code"] == "internal"
     response = await post(g, input=TEXT, stream_format="sse")
     events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]

@@ -58,7 +58,7 @@ async def test_keys_guard_rest_and_websocket(gateway_factory: GatewayFactory, ke
         r = await http.post("/v1/audio/speech", json={"input": "hi"}, headers=_auth(key + "x"))
         assert r.status_code == 401
         r = await http.post("/v1/audio/speech", json={"input": "hi"}, headers=_auth(key))
-        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"  # OpenAI's default
     code, reason = await _close_code(gw.ws)
     assert code == 1008 and "credentials" in reason
     code, _ = await _close_code(gw.ws + "?token=forged.token")

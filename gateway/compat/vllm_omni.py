@@ -1,0 +1,385 @@
+"""vLLM-Omni-compatible streaming WebSocket for Qwen3-TTS, `/v1/audio/speech/stream`: the protocol
+that engine.vllm_omni speaks as a client and livekit-plugins-baseten's Qwen3-TTS client speaks to
+Baseten (docs/compat.md).
+
+`session.config` (voice / speaker, language, instructions, response_format, stream_audio, speed,
+word_timestamps, timestamp_type, sample_rate; may be replaced between utterances) starts a native
+session (a new one when the voice, language, instructions or rate change). Each run of
+`input.text` up to an `input.done` is one utterance, one "sentence" in vLLM-Omni's terms; its
+text goes to the engine as it comes, not at `input.done`, and the next utterance may be made while
+this one is still being sent. Utterances go out in order: `audio.start`, the audio (binary s16le
+frames; base64 `audio.chunk` frames with `word_timestamps`, the last one carrying the words;
+with `stream_audio: false` one binary frame of the whole file in `response_format`), `audio.done`
+(with `timestamp_info` for `timestamp_type: "word"`), then `session.done`. An `input.done` with no
+text answers `session.done` with zero sentences at once (a keep-alive). `session.close` closes;
+closing the socket is the barge-in: every utterance in flight is cancelled. `voice.list` answers
+with the engine's voices. Errors: `{"type": "error", "message"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
+from gateway.compat.encoding import CONTAINERS, Container, StreamEncoder
+from gateway.languages import normalise_language
+from gateway.messages import SAMPLE_RATES, PacketHeader
+
+CONFIG_TIMEOUT_S: Final = 10.0
+KNOWN_TASKS: Final = ("CustomVoice", "VoiceDesign", "Base")
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    voice: str | None
+    language: str | None
+    instructions: str | None
+    sample_rate: int
+    stream_audio: bool
+    response_format: Container
+    word_timestamps: bool  # audio.chunk frames, words in the last
+    timestamp_info: bool  # words in audio.done (timestamp_type "word")
+
+    @property
+    def session_key(self) -> tuple[str | None, str | None, str | None, int]:
+        return (self.voice, self.language, self.instructions, self.sample_rate)
+
+
+def parse_config(message: dict[str, Any], compat: Compat) -> Config:
+    voice = message.get("voice", message.get("speaker"))
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    for name, value in (
+        ("voice", voice),
+        ("language", message.get("language")),
+        ("instructions", message.get("instructions")),
+    ):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"`{name}` must be a string")
+    task = message.get("task_type")
+    if task is not None and task not in KNOWN_TASKS:
+        raise ConfigError(f"task_type must be one of {', '.join(KNOWN_TASKS)}")
+    stream_audio = message.get("stream_audio", False) is True
+    fmt = message.get("response_format") or ("pcm" if stream_audio else "wav")
+    if fmt not in CONTAINERS:
+        raise ConfigError(f"response_format must be one of {', '.join(CONTAINERS)}")
+    if stream_audio and fmt != "pcm":
+        raise ConfigError("WebSocket streaming audio (stream_audio=true) requires response_format='pcm'.")
+    speed = message.get("speed", 1.0)
+    if speed not in (None, 1, 1.0):
+        raise ConfigError("speed must be 1.0 on this WebSocket (use POST /v1/audio/speech for other speeds)")
+    rate = message.get("sample_rate") or 24000
+    if isinstance(rate, bool) or rate not in SAMPLE_RATES:
+        raise ConfigError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}")
+    granularity = message.get("split_granularity", "none")
+    if granularity not in ("none", "sentence", "clause"):
+        raise ConfigError("split_granularity must be none, sentence or clause")
+    language = message.get("language")
+    return Config(
+        voice=compat.voice(voice),
+        language=normalise_language(language) if language else None,
+        instructions=message.get("instructions"),
+        sample_rate=int(rate),
+        stream_audio=stream_audio,
+        response_format=next(c for c in CONTAINERS if c == fmt),
+        word_timestamps=message.get("word_timestamps") is True,
+        timestamp_info=message.get("timestamp_type") == "word",
+    )
+
+
+@dataclass(eq=False)
+class _Utterance:
+    index: int
+    config: Config
+    link: NativeLink | None  # None: an empty input.done (a keep-alive)
+    utterance_id: str = ""
+    text: str = ""
+    stream: int | None = None
+    ended: bool = False  # input.done came
+    done: bool = False  # utterance.done (or its error) came
+    failed: str | None = None
+    started: bool = False  # audio.start sent
+    total_bytes: int = 0
+    held: deque[bytes] = field(default_factory=deque)  # audio made before its turn
+    words: list[dict[str, Any]] = field(default_factory=list)
+    encoder: StreamEncoder | None = None
+    file: bytearray = field(default_factory=bytearray)  # stream_audio false: the file so far
+
+
+class VllmOmniSocket(DialectSocket):
+    def __init__(self, websocket: WebSocket, compat: Compat) -> None:
+        super().__init__(websocket, compat)
+        self.config: Config | None = None
+        self.queue: deque[_Utterance] = deque()  # in order; the first is the one being sent
+        self.by_utterance: dict[str, _Utterance] = {}
+        self.by_stream: dict[tuple[int, int], _Utterance] = {}
+        self.current: _Utterance | None = None  # taking input.text
+        self._index = 0
+        self._leading = ""  # blanks before an utterance's first words
+        self._configured = asyncio.Event()
+        self._drain_lock = asyncio.Lock()
+
+    async def error(self, message: str) -> None:
+        await self.send_json({"type": "error", "message": message})
+
+    async def run(self) -> None:
+        watchdog = asyncio.get_running_loop().create_task(self._config_watchdog())
+        try:
+            await super().run()
+        finally:
+            watchdog.cancel()
+
+    async def _config_watchdog(self) -> None:
+        try:
+            await asyncio.wait_for(self._configured.wait(), CONFIG_TIMEOUT_S)
+        except TimeoutError:
+            await self.error("Timeout waiting for session.config")
+            self.close(1000, "no session.config")
+
+    # -- client -> native --------------------------------------------------------------------
+    async def on_text(self, text: str) -> None:
+        message = parse_object(text)
+        if message is None:
+            await self.error("Invalid JSON message")
+            return
+        kind = message.get("type")
+        if kind == "session.config":
+            await self._configure(message)
+        elif kind == "voice.list":
+            await self.send_json(
+                {"type": "voice.list", "voices": list(self.compat.engine.voices), "uploaded_voices": []}
+            )
+        elif kind == "voice.add":
+            await self.error("voice.add is not offered here: register voices with POST /v1/voices")
+        elif self.config is None:
+            await self.error(f"Expected session.config, got: {str(kind)[:40]}")
+        elif kind == "input.text":
+            piece = message.get("text", "")
+            if not isinstance(piece, str):
+                await self.error("`text` must be a string")
+                return
+            self._add_text(piece)
+        elif kind == "input.done":
+            await self._input_done()
+        elif kind == "session.close":
+            self.close(1000, "session.close")
+        else:
+            await self.error(f"Unknown message type: {str(kind)[:40]}")
+
+    async def _configure(self, message: dict[str, Any]) -> None:
+        if self.current is not None and self.current.text:
+            await self.error(
+                "session.config cannot be applied while an utterance is in progress; send input.done first"
+            )
+            return
+        try:
+            self.config = parse_config(message, self.compat)
+        except ConfigError as exc:
+            await self.error(f"Invalid session config: {exc}")
+            return
+        self._configured.set()
+
+    def _link(self, config: Config) -> NativeLink:
+        link = self.links.get(config.session_key)
+        if link is None or link.closed:
+            link = self.open_link(
+                config.session_key,
+                {
+                    "type": "session.start",
+                    "voice": config.voice,
+                    "language": config.language,
+                    "instructions": config.instructions,
+                    "output": {"encoding": "pcm_s16le", "sample_rate": config.sample_rate},
+                    "timestamps": "word",
+                },
+            )
+        return link
+
+    def _add_text(self, piece: str) -> None:
+        assert self.config is not None
+        utt = self.current
+        if utt is None:
+            if not piece.strip():
+                self._leading += piece  # no utterance for blanks alone
+                return
+            piece, self._leading = self._leading + piece, ""
+            utt = self.current = self._new(self._link(self.config))
+        utt.text += piece
+        if utt.link is not None and utt.failed is None:
+            utt.link.send({"type": "speak.append", "utterance_id": utt.utterance_id, "text": piece})
+
+    def _new(self, link: NativeLink | None) -> _Utterance:
+        assert self.config is not None
+        utt = _Utterance(self._index, self.config, link)
+        self._index += 1
+        if link is not None:
+            utt.utterance_id = f"u{utt.index}"
+            self.by_utterance[utt.utterance_id] = utt
+            if not self.config.stream_audio:
+                utt.encoder = StreamEncoder(self.config.response_format, self.config.sample_rate)
+        self.queue.append(utt)
+        return utt
+
+    async def _input_done(self) -> None:
+        utt, self.current, self._leading = self.current, None, ""
+        if utt is None:  # nothing since the last one: answered at once, in its turn (a keep-alive)
+            utt = self._new(None)
+            utt.done = True
+        elif utt.link is not None and utt.failed is None:
+            utt.link.send({"type": "speak.end", "utterance_id": utt.utterance_id})
+        utt.ended = True
+        await self._drain()
+
+    # -- native -> client, in order ----------------------------------------------------------
+    async def on_link_message(self, link: NativeLink, message: NativeMessage) -> None:
+        utt = self.by_utterance.get(str(message.get("utterance_id")))
+        if utt is None:  # an error about an utterance that has ended already says nothing new
+            if message.get("type") == "error" and "utterance_id" not in message:
+                await self.error(str(message.get("message")))
+            return
+        kind = message.get("type")
+        if kind == "utterance.started":
+            utt.stream = int(message["stream"])
+            self.by_stream[(id(link), utt.stream)] = utt
+        elif kind == "words":
+            utt.words += message.get("words") or []
+        elif kind in ("utterance.done", "utterance.interrupted"):
+            utt.done = True
+            self._forget(utt)
+        elif kind == "error":
+            utt.failed = str(message.get("message"))
+            utt.done = True
+            self._forget(utt)
+        await self._drain()
+
+    async def on_link_audio(self, link: NativeLink, header: PacketHeader, payload: bytes) -> None:
+        utt = self.by_stream.get((id(link), header.stream))
+        if utt is None or not payload:
+            return
+        utt.held.append(payload)
+        await self._drain()
+
+    def _forget(self, utt: _Utterance) -> None:
+        self.by_utterance.pop(utt.utterance_id, None)
+        if utt.stream is not None and utt.link is not None:
+            self.by_stream.pop((id(utt.link), utt.stream), None)
+
+    async def _drain(self) -> None:
+        """Send what the first utterance in line has; when it is done, go on to the next (one
+        drain at a time: the reader and the native sessions all call it)."""
+        async with self._drain_lock:
+            await self._drain_locked()
+
+    async def _drain_locked(self) -> None:
+        while self.queue:
+            utt = self.queue[0]
+            if utt.link is not None and (utt.held or (utt.done and not utt.started)):
+                await self._start(utt)
+            while utt.held:
+                await self._send_audio(utt, utt.held.popleft())
+            if not (utt.done and utt.ended):
+                return
+            self.queue.popleft()
+            await self._finish(utt)
+
+    async def _start(self, utt: _Utterance) -> None:
+        if utt.started:
+            return
+        utt.started = True
+        await self.send_json(
+            {
+                "type": "audio.start",
+                "utterance_index": utt.index,
+                "sentence_index": 0,
+                "sentence_text": utt.text.strip(),
+                "format": utt.config.response_format,
+                "sample_rate": utt.config.sample_rate,
+                "channels": 1,
+            }
+        )
+
+    async def _send_audio(self, utt: _Utterance, pcm: bytes) -> None:
+        if utt.encoder is not None:
+            utt.file += utt.encoder.encode(np.frombuffer(pcm, dtype="<i2"))
+            return
+        utt.total_bytes += len(pcm)
+        if utt.config.word_timestamps:
+            await self.send_json(self._chunk(utt, base64.b64encode(pcm).decode("ascii"), None))
+        else:
+            await self.send_bytes(pcm)
+
+    def _chunk(
+        self, utt: _Utterance, audio_b64: str, timestamps: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        return {
+            "type": "audio.chunk",
+            "utterance_index": utt.index,
+            "sentence_index": 0,
+            "audio_b64": audio_b64,
+            "timestamps": timestamps,
+        }
+
+    async def _finish(self, utt: _Utterance) -> None:
+        if utt.link is not None:
+            await self._start(utt)
+            stamps = [
+                {"word": w["text"], "start_ms": w["start_ms"], "end_ms": w["end_ms"]} for w in utt.words
+            ]
+            done: dict[str, Any] = {
+                "type": "audio.done",
+                "utterance_index": utt.index,
+                "sentence_index": 0,
+                "total_bytes": utt.total_bytes,
+                "error": utt.failed is not None,
+            }
+            if utt.failed is not None:
+                await self.error(f"Generation failed for utterance {utt.index}, sentence 0: {utt.failed}")
+            elif utt.encoder is not None:
+                utt.file += utt.encoder.finish()
+                done["total_bytes"] = len(utt.file)
+                if utt.file:
+                    await self.send_bytes(bytes(utt.file))
+            elif utt.config.word_timestamps:
+                await self.send_json(self._chunk(utt, "", stamps))
+            if utt.config.timestamp_info and utt.failed is None:
+                done["timestamp_info"] = {
+                    "word_alignment": {
+                        "words": [s["word"] for s in stamps],
+                        "word_start_times_seconds": [s["start_ms"] / 1000 for s in stamps],
+                        "word_end_times_seconds": [s["end_ms"] / 1000 for s in stamps],
+                    }
+                }
+            await self.send_json(done)
+        sentences = 1 if utt.link is not None else 0
+        await self.send_json(
+            {"type": "session.done", "utterance_index": utt.index, "total_sentences": sentences}
+        )
+
+    async def finished(self) -> None:
+        for utt in self.queue:
+            if utt.encoder is not None:
+                utt.encoder.close()
+
+
+class VllmOmniEndpoints:
+    def __init__(self, compat: Compat) -> None:
+        self.compat = compat
+
+    def routes(self) -> list[BaseRoute]:
+        return [WebSocketRoute("/v1/audio/speech/stream", self.websocket)]
+
+    async def websocket(self, websocket: WebSocket) -> None:
+        await websocket.accept()
+        await VllmOmniSocket(websocket, self.compat).run()
