@@ -167,6 +167,7 @@ class Gateway:
         finally:
             self.sessions.discard(session)
             if quotas is not None:
+                session.protocol.abort()  # utterances the client left open give their quota back
                 quotas.close_session(principal.key_id)
 
     def quotas_for(self, principal: Principal) -> Quotas | None:

@@ -200,7 +200,7 @@ class CallRouter:
                         async with self.redis.pipeline(transaction=False) as pipe:
                             for sid in owned:
                                 pipe.set(self.key(sid), self.live_value, ex=CALL_TTL_S)
-                            await self.store.call(pipe.execute)
+                            await self.store.execute(pipe)
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("call directory write (%s %s) failed: %s", kind, call_sid, exc)
             finally:

@@ -211,7 +211,7 @@ class SharedQuotas(Quotas):
                     client=pipe,
                 )
             try:
-                results = await self.store.call(pipe.execute)
+                results = await self.store.execute(pipe)
             except StoreUnavailable:
                 if not full:
                     self._dirty.update(fields)
@@ -252,11 +252,13 @@ class SharedQuotas(Quotas):
             for m in await self.store.client.smembers(self.members)
         )
         others = [m for m in members if m != self.replica_id]
-        pipe = self.store.client.pipeline(transaction=False)
-        for replica in others:
-            pipe.exists(self.heartbeat_key(replica))
-            pipe.hgetall(self.usage_key(replica))
-        results = await self.store.call(pipe.execute) if others else []
+        results: list[Any] = []
+        if others:
+            pipe = self.store.client.pipeline(transaction=False)
+            for replica in others:
+                pipe.exists(self.heartbeat_key(replica))
+                pipe.hgetall(self.usage_key(replica))
+            results = await self.store.execute(pipe)
         live: dict[str, dict[str, int]] = {}
         dead = []
         for i, replica in enumerate(others):

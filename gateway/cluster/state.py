@@ -211,7 +211,7 @@ class Cluster:
                     self.quotas.heartbeat_key(self.replica_id), self.quotas.usage_key(self.replica_id)
                 )
                 pipe.srem(self.quotas.members, self.replica_id)
-                await self.store.call(pipe.execute)
+                await self.store.execute(pipe)
         await self.voices.close()
         await self.store.close()
 
@@ -248,7 +248,7 @@ class Cluster:
             pipe = self.redis.pipeline(transaction=False)
             for key, value in self._live.items():
                 pipe.set(key, value, ex=LIVE_TTL_S)
-            await self.store.call(pipe.execute)
+            await self.store.execute(pipe)
         if self.calls is not None:
             self.calls.reassert()
         await self.voices.resync()

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -68,6 +69,7 @@ class Store:
         self.changed_at = time.monotonic()
         self._up_event = asyncio.Event()
         self._up_event.set()
+        self._down_event = asyncio.Event()
         self._recovery: list[Callable[[], Awaitable[None]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.breaker_state = Gauge(
@@ -91,6 +93,7 @@ class Store:
             return
         self.up, self.reason, self.changed_at = False, describe(exc), time.monotonic()
         self._up_event.clear()
+        self._down_event.set()
         self.breaker_state.set(1)
         self.outages.inc()
         log.error(
@@ -105,6 +108,7 @@ class Store:
         down_s = time.monotonic() - self.changed_at
         self.up, self.reason, self.changed_at = True, None, time.monotonic()
         self._up_event.set()
+        self._down_event.clear()
         self.breaker_state.set(0)
         log.warning("shared store reachable again after %.1f s: re-asserting this replica's state", down_s)
         for callback in self._recovery:
@@ -143,14 +147,43 @@ class Store:
     async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """`operation()` (Redis commands) through the breaker, within the command deadline."""
         self.check()
+        patience = _patience.get()
         try:
-            async with asyncio.timeout(_patience.get() or self.timeout_s):
-                return await operation()
+            async with asyncio.timeout(patience or self.timeout_s):
+                if patience is None:
+                    return await operation()
+                return await self._unless_tripped(operation)
         except Exception as exc:
             if not is_outage(exc):
                 raise
             self.trip(exc)
             raise StoreUnavailable(f"the shared store is unreachable ({describe(exc)})") from exc
+
+    async def execute(self, pipe: Pipeline) -> list[Any]:
+        """A pipeline's commands through the breaker; the pipeline is released either way."""
+        try:
+            return await self.call(pipe.execute)
+        finally:
+            await pipe.reset()  # type: ignore[no-untyped-call]
+
+    async def _unless_tripped(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """A long operation gives up as soon as the breaker opens (another command found the
+        store gone), not at the end of its own deadline."""
+
+        async def run() -> T:
+            return await operation()
+
+        work = asyncio.ensure_future(run())
+        tripped = asyncio.ensure_future(self._down_event.wait())
+        try:
+            await asyncio.wait((work, tripped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            tripped.cancel()
+            if not work.done():
+                work.cancel()
+        if work.cancelled():
+            raise StoreUnavailable(f"the shared store is unreachable ({self.reason})")
+        return work.result()
 
     async def probe(self) -> bool:
         """One PING past the breaker: True (and the breaker closed) when the store answers."""
@@ -162,6 +195,10 @@ class Store:
                 raise
             self.trip(exc)
             return False
+        if not self.up:
+            # idle connections from before the outage may lead to a store that is gone (a restart):
+            # commands after the recovery get new ones
+            await self.client.connection_pool.disconnect(inuse_connections=False)
         self._close()
         return True
 
