@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError

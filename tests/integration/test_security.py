@@ -123,7 +123,9 @@ async def test_quotas_over_the_wire(gateway_factory: GatewayFactory) -> None:
         assert r.json()["error"]["code"] == "rate_limited"
 
 
-async def test_a_client_that_leaves_mid_utterance_gives_its_quota_back(gateway_factory: GatewayFactory) -> None:
+async def test_a_client_that_leaves_mid_utterance_gives_its_quota_back(
+    gateway_factory: GatewayFactory,
+) -> None:
     config = GatewayConfig(
         quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=10_000), quota_anonymous=True
     )
@@ -131,7 +133,9 @@ async def test_a_client_that_leaves_mid_utterance_gives_its_quota_back(gateway_f
     quotas = gw.server.config.app.state.gateway.quotas
     async with connect(gw.ws) as ws:
         c = Client(ws)
-        await c.send(type="speak.append", utterance_id="u1", text="a long utterance that is still playing " * 5)
+        await c.send(
+            type="speak.append", utterance_id="u1", text="a long utterance that is still playing " * 5
+        )
         await c.until("utterance.started", "u1")
         assert quotas.usage("anonymous") == (1, 1)
     deadline = time.monotonic() + 5

@@ -328,15 +328,6 @@ async def fault(
             assert not await degraded(http, replica)
         gaps = [s.largest_gap(since) for s in playing]
         errors = [e for s in playing for e in s.errors]
-    print(
-        "DBG",
-        max(gaps),
-        max(probes.healthz_s),
-        max(d for d, _ in probes.first_audio),
-        probes.cross_replica_503_s,
-        len(probes.statuses),
-        sorted({(w, st) for w, st, _ in probes.statuses}),
-    )
     probes.check()
     assert max(gaps) < MAX_GAP_S, gaps
     assert not errors, errors
