@@ -227,6 +227,7 @@ class Cluster:
 
     async def _heartbeat_loop(self) -> None:
         last_resync = time.monotonic()
+        refused_at = -1e9
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             if not self.store.up:
@@ -239,6 +240,10 @@ class Cluster:
                     await self.voices.resync()
             except StoreUnavailable:
                 pass  # the breaker logged it once; its recovery writes everything again
+            except Exception as exc:  # the store refused a command (out of memory, ...): said once a minute
+                if time.monotonic() - refused_at > 60:
+                    refused_at = time.monotonic()
+                    log.error("the shared store refused this replica's heartbeat: %s", exc)
 
     async def reassert(self) -> None:
         """The store is back (perhaps empty): write this replica's state again, at once."""
