@@ -184,9 +184,13 @@ class SharedQuotas(Quotas):
             self._dirty.clear()
             spent, self._spent = self._spent, {}
             now = time.monotonic()
-            synced = [k for k, used in self._bucket_used.items() if now - used < BUCKET_IDLE_S or k in spent]
-            for key in set(self._bucket_used) - set(synced):
-                del self._bucket_used[key]
+            # what was spent goes with every write; the heartbeat's also brings back the levels
+            # of every key that spent here lately (what the other replicas spent since)
+            synced = list(spent)
+            if full:
+                for key in [k for k, used in self._bucket_used.items() if now - used >= BUCKET_IDLE_S]:
+                    del self._bucket_used[key]
+                synced += [k for k in self._bucket_used if k not in spent]
             self._seq += 1
             mine = self.usage_key(self.replica_id)
             pipe = self.store.client.pipeline(transaction=True)
