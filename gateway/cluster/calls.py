@@ -14,6 +14,10 @@ every LINK_PING_S; a link silent for LINK_DEAD_S is dead (the agent gets `error`
 `call.ended`, or the owner detaches the agent). The owner runs the agent exactly as a local one
 (TwilioGateway.run_agent), so the agent sees the same messages in the same order, and the call's
 interruption webhooks are sent once, by the owner.
+
+While the store is unreachable (gateway.cluster.store) directory writes are skipped, and the live
+calls held here are written again when it is back; a control channel that needs the directory is
+refused at once with `internal` (close 1011).
 """
 
 from __future__ import annotations
