@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -39,6 +40,9 @@ from gateway.session import Session
 from gateway.twilio import TwilioGateway
 from gateway.voices import VoiceRegistry, make_voice_endpoints
 from gateway.webhooks import WebhookSender, WebhookSession
+
+if TYPE_CHECKING:
+    from gateway.cluster.state import Cluster
 
 log = logging.getLogger("cadence.app")
 
@@ -90,21 +94,41 @@ class TtfaWindow:
 
 
 class Gateway:
-    """What the routes share: the engine, the limits, the metrics and the open sessions."""
+    """What the routes share: the engine, the limits, the metrics and the open sessions. Built
+    with a `cluster` (gateway.cluster.state), it is one replica of several: the cluster's quotas,
+    voices, engine and session set are the ones it uses."""
 
-    def __init__(self, engine: Engine, config: GatewayConfig, auth: Authenticator | None = None) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        engine: Engine,
+        config: GatewayConfig,
+        auth: Authenticator | None = None,
+        *,
+        cluster: Cluster | None = None,
+        webhooks: WebhookSender | None = None,
+    ) -> None:
         self.config = config
+        self.cluster = cluster
         self.metrics = GatewayMetrics()
-        self.sessions: set[Session] = set()
         self.ready = False
         self.closing = False
         self.auth = auth or from_environment(config.api_keys_file, config.allowed_origins)
-        self.quotas = Quotas(config.quota_limits)
-        self.voices = VoiceRegistry(engine, config, config.voices_dir)
+        self.engine: Engine
+        self.quotas: Quotas
+        self.voices: VoiceRegistry
+        self.sessions: set[Session]
+        if cluster is not None:
+            self.engine, self.quotas, self.voices = cluster.engine, cluster.quotas, cluster.voices
+            self.sessions = cluster.sessions
+            self.metrics.include(cluster.registry)
+        else:
+            self.engine, self.quotas = engine, Quotas(config.quota_limits)
+            self.voices = VoiceRegistry(engine, config, config.voices_dir)
+            self.sessions = set()
         self.engine_restarts = 0
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
-        self.webhooks = WebhookSender.from_env()  # utterance.interrupted -> session's webhook_url
+        # utterance.interrupted -> session's webhook_url
+        self.webhooks = webhooks or WebhookSender.from_env()
         self.ttfa_window = TtfaWindow(self.metrics)
         self.voice_aliases = VoiceAliases.load(config.voice_aliases_file)  # other vendors' voice names
 
@@ -147,6 +171,7 @@ class Gateway:
         finally:
             self.sessions.discard(session)
             if quotas is not None:
+                session.protocol.abort()  # utterances the client left open give their quota back
                 quotas.close_session(principal.key_id)
 
     def quotas_for(self, principal: Principal) -> Quotas | None:
@@ -186,15 +211,18 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
+        """Ready to serve (200) or not (503), and why; `store` is the shared store's state: a
+        replica whose store is unreachable still serves (degraded: 200, and says so)."""
         load = self.engine.load()
         ready = self.ready and load.ready and not self.closing
-        body = {
+        body: dict[str, Any] = {
             "ready": ready,
             "engine": self.engine.info.name,
             "active": load.active,
             "queued": load.queued,
             "capacity": load.capacity,
             "engine_restarts": self.engine_restarts,
+            "store": self.cluster.store.state() if self.cluster is not None else {"state": "none"},
         }
         if not ready:
             body["reason"] = (
@@ -246,13 +274,15 @@ class Gateway:
 def create_app(
     engine: Engine, config: GatewayConfig | None = None, auth: Authenticator | None = None
 ) -> Starlette:
-    gateway = Gateway(engine, config or GatewayConfig(), auth)
-    twilio = TwilioGateway(engine, gateway.config, gateway.webhooks)
+    config = config or GatewayConfig()
+    webhooks = WebhookSender.from_env()
+    twilio = TwilioGateway(engine, config, webhooks)
     cluster = None
-    if gateway.config.redis_url:  # replicas sharing voices, quotas and control (gateway.cluster.state)
+    if config.redis_url:  # replicas sharing voices, quotas and control (gateway.cluster.state)
         from gateway.cluster.state import Cluster
 
-        cluster = Cluster(gateway, gateway.config.redis_url, gateway.config.replica_id, twilio=twilio)
+        cluster = Cluster(engine, config, twilio)
+    gateway = Gateway(engine, config, auth, cluster=cluster, webhooks=webhooks)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

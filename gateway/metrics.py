@@ -72,6 +72,10 @@ class GatewayMetrics:
         cadence_gc_pause_longest_seconds."""
         self.registry.register(_GcPauseCollector(pauses))
 
+    def include(self, other: CollectorRegistry) -> None:
+        """Serve `other`'s metrics with these (read at each scrape): a cluster's."""
+        self.registry.register(_RegistryCollector(other))
+
     def observe_engine(self, load: EngineLoad) -> None:
         self.engine_active.set(load.active)
         self.engine_queue_depth.set(load.queued)
@@ -89,6 +93,14 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _RegistryCollector(Collector):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
 
 
 class _GcPauseCollector(Collector):

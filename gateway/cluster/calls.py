@@ -14,6 +14,10 @@ every LINK_PING_S; a link silent for LINK_DEAD_S is dead (the agent gets `error`
 `call.ended`, or the owner detaches the agent). The owner runs the agent exactly as a local one
 (TwilioGateway.run_agent), so the agent sees the same messages in the same order, and the call's
 interruption webhooks are sent once, by the owner.
+
+While the store is unreachable (gateway.cluster.store) directory writes are skipped, and the live
+calls held here are written again when it is back; a control channel that needs the directory is
+refused at once with `internal` (close 1011).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.websockets import WebSocket, WebSocketState
 
 from gateway.cluster.pubsub import listen_forever
+from gateway.cluster.store import Store
 from gateway.messages import encode
 from gateway.twilio import CLOSE_POLICY, AgentFrame, TwilioGateway, next_agent_frame
 
@@ -81,14 +86,15 @@ class CallRouter:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        store: Store,
         replica_id: str,
         twilio: TwilioGateway,
         prefix: str,
         wait_s: float | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.redis = redis
+        self.store = store
+        self.redis = store.client
         self.replica_id = replica_id
         self.twilio = twilio
         self.prefix = prefix
@@ -125,7 +131,9 @@ class CallRouter:
             asyncio.create_task(self._write_loop()),
             asyncio.create_task(self._refresh_loop()),
         ]
-        await asyncio.wait_for(subscribed.wait(), wait_s)
+        if self.store.up:  # else it subscribes when the store answers
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(subscribed.wait(), wait_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for call_sid in list(self._owned):  # streams not yet closed by the shutdown
@@ -168,11 +176,21 @@ class CallRouter:
                 return entry
         return None
 
+    def reassert(self) -> None:
+        """The store is back: the live calls held here are written again (those that ended
+        meanwhile expire with their entry's time to live)."""
+        if self._owned:
+            self._writes.put_nowait(("refresh", "", ""))
+
     async def _write_loop(self) -> None:
         while True:
             kind, call_sid, reason = await self._writes.get()
             try:
-                if kind == "live":
+                if not self.store.up:
+                    log.debug(
+                        "call directory write (%s %s) skipped: the store is unreachable", kind, call_sid
+                    )
+                elif kind == "live":
                     await self.redis.set(self.key(call_sid), self.live_value, ex=CALL_TTL_S)
                     await self.redis.publish(
                         self.up_channel, json.dumps({"call": call_sid, "owner": self.replica_id})
@@ -186,7 +204,7 @@ class CallRouter:
                         async with self.redis.pipeline(transaction=False) as pipe:
                             for sid in owned:
                                 pipe.set(self.key(sid), self.live_value, ex=CALL_TTL_S)
-                            await pipe.execute()
+                            await self.store.execute(pipe)
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("call directory write (%s %s) failed: %s", kind, call_sid, exc)
             finally:
@@ -208,7 +226,7 @@ class CallRouter:
             self._dispatch(channel, json.loads(data))
 
         await listen_forever(
-            self.redis, (self.channel, self.up_channel), on_message, subscribed, "call relay"
+            self.store, (self.channel, self.up_channel), on_message, subscribed, "call relay"
         )
 
     def _dispatch(self, channel: str, message: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
-"""A Redis pub/sub subscription that outlives connection losses: subscribe, hand every message to a
-synchronous callback in arrival order, and on a Redis error resubscribe after a short pause."""
+"""A Redis pub/sub subscription that outlives outages of the store: subscribe, hand every message to
+a synchronous callback in arrival order, and when the connection is lost open the store's breaker
+and subscribe again once it closes. The loss is logged once per outage, and so is the return."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-import redis.asyncio as aioredis
+from gateway.cluster.store import Store, is_outage
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cadence.redis")
 
 
 async def listen_forever(
-    client: aioredis.Redis,
+    store: Store,
     channels: Sequence[str],
     on_message: Callable[[str, bytes], None],
     subscribed: asyncio.Event,
@@ -22,20 +23,35 @@ async def listen_forever(
 ) -> None:
     """on_message(channel, data) for each message, until cancelled; `subscribed` is set once the
     first subscription is in place."""
+    lost = False
     while True:
-        pubsub = client.pubsub()
+        await store.wait_up()
+        pubsub = store.client.pubsub()
         try:
-            await pubsub.subscribe(*channels)
+            async with asyncio.timeout(store.timeout_s):
+                await pubsub.subscribe(*channels)
             subscribed.set()
+            if lost:
+                lost = False
+                log.warning("%s subscription restored", name)
             async for message in pubsub.listen():
-                if message.get("type") == "message":
+                if message.get("type") != "message":
+                    continue
+                try:
                     on_message(message["channel"].decode(), message["data"])
+                except Exception:  # one bad message must not end the subscription
+                    log.exception("%s: a message could not be handled", name)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
             raise
-        except (aioredis.RedisError, OSError, ValueError) as exc:
-            log.warning("%s subscription lost (%s); resubscribing", name, exc)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            if not lost:
+                lost = True
+                log.warning("%s subscription lost (%s); subscribing again when the store answers", name, exc)
+            store.trip(exc)
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(store.probe_s)  # a store that answers PING but refuses SUBSCRIBE

@@ -1,21 +1,25 @@
 """Several replicas as one service, through Redis (`cadence serve --redis URL`).
 
-`Cluster` plugs into a Gateway: per-key quotas counted across replicas (gateway.cluster.quotas),
-the shared voice registry (gateway.cluster.voices), a live-utterance directory, control routed
-to the replica that holds an utterance's audio stream, and the Twilio call directory and
-control-channel relay (gateway.cluster.calls).
+`Cluster` is what a Gateway is built with to be one replica of several: per-key quotas counted
+across replicas (gateway.cluster.quotas), the shared voice registry (gateway.cluster.voices), a
+live-utterance directory, control routed to the replica that holds an utterance's audio stream,
+and the Twilio call directory and control-channel relay (gateway.cluster.calls). All of it goes
+through the store's circuit breaker (gateway.cluster.store): nothing on a session's hot path waits
+on Redis, and while Redis is unreachable each replica goes on serving alone (docs/deploy.md,
+"When Redis is unreachable").
 
 Directory: every utterance opened on /v1/stream is written as `{prefix}utt:{key_id}:{utterance_id}`
 -> "{replica} {session_id}" (an hour; two minutes once it ends, so a late interrupt still finds it).
+The entries of live utterances are written again when the store comes back.
 
 Control: `POST /v1/utterances/{utterance_id}/interrupt` (body: optional `played_ms`, `session_id`)
 may land on any replica. The owner is looked up in the directory and asked over pub/sub
 (`{prefix}ctl:{replica}`); on a miss every replica is asked (`{prefix}ctl:*`). The owner runs it
 as the session's own `speak.cancel` would (the client gets `utterance.interrupted` on its socket)
 and the answer, the same `utterance.interrupted` message, comes back on `{prefix}reply:{replica}`.
-The cost is one directory GET and two PUBLISH hops: see docs/deploy.md for measured figures.
-Replicas announce themselves with a heartbeat key (`{prefix}replica:{id}`, 5 s); quotas stop
-counting a replica whose heartbeat expired.
+The cost is one directory GET and two PUBLISH hops (docs/deploy.md).
+Replicas announce themselves with a heartbeat key (`{prefix}replica:{id}`, 5 s) and in the set
+`{prefix}replicas`; quotas stop counting a replica whose heartbeat expired.
 """
 
 from __future__ import annotations
@@ -29,9 +33,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import redis
-import redis.asyncio as aioredis
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -40,10 +42,12 @@ from engine.api import AudioChunk, Engine, SynthesisRequest, SynthesisStream, Te
 from gateway.auth import ANONYMOUS
 from gateway.cluster.pubsub import listen_forever
 from gateway.cluster.quotas import SharedQuotas
+from gateway.cluster.store import Store, StoreUnavailable
 from gateway.cluster.voices import SharedVoiceRegistry
+from gateway.config import GatewayConfig
+from gateway.session import Session
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
     from gateway.cluster.calls import CallRouter
     from gateway.twilio import TwilioGateway
 
@@ -51,11 +55,25 @@ log = logging.getLogger("cadence.redis")
 
 PREFIX = "cadence:"
 HEARTBEAT_S = 1.0
-HEARTBEAT_TTL_S = 5
 VOICE_RESYNC_S = 2.0
 CONTROL_TIMEOUT_S = 2.0
+START_WAIT_S = 5.0  # how long start-up waits for the store before serving without it
 LIVE_TTL_S = 3600
 ENDED_TTL_S = 120
+
+
+def unavailable(reason: str | None, what: str) -> JSONResponse:
+    """503: the store's outage, said plainly (streaming on each replica is not affected)."""
+    reason = f" ({reason})" if reason else ""
+    message = (
+        f"the shared store (Redis) is unreachable{reason}: {what} are unavailable until it is back; "
+        "streaming on each replica goes on"
+    )
+    return JSONResponse(
+        {"error": {"message": message, "type": "server_error", "code": "store_unavailable"}},
+        503,
+        headers={"Retry-After": "1"},
+    )
 
 
 class DirectoryEngine:
@@ -73,7 +91,7 @@ class DirectoryEngine:
         key = self.cluster.directory_key_for(request.request_id)
         if key is None:
             return stream
-        self.cluster.spawn(self.cluster.set_directory(key, request.request_id))
+        self.cluster.live_started(key, request.request_id)
         return _DirectoryStream(stream, self.cluster, key)
 
 
@@ -92,78 +110,91 @@ class _DirectoryStream:
 
     def cancel(self) -> None:
         self.inner.cancel()
-        self.cluster.spawn(self.cluster.end_directory(self.key))
+        self.cluster.live_ended(self.key)
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
         try:
             async for chunk in self.inner:
                 yield chunk
         finally:
-            self.cluster.spawn(self.cluster.end_directory(self.key))
+            self.cluster.live_ended(self.key)
 
 
 class Cluster:
+    """One replica's part of the cluster; a Gateway built with it uses its quotas, voices, engine
+    (the directory's) and set of live sessions."""
+
     def __init__(
         self,
-        gateway: Gateway,
-        url: str,
-        replica_id: str,
-        prefix: str = PREFIX,
+        engine: Engine,
+        config: GatewayConfig,
         twilio: TwilioGateway | None = None,
+        prefix: str = PREFIX,
     ) -> None:
-        self.gateway = gateway
-        self.replica_id = replica_id
+        if not config.redis_url:
+            raise ValueError("a cluster needs config.redis_url")
+        self.replica_id = config.replica_id
         self.prefix = prefix
-        self.redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self.sync_redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        old_quotas = gateway.quotas
-        gateway.quotas = SharedQuotas(self.sync_redis, replica_id, old_quotas.limits, prefix)
-        gateway.quotas.per_key.update(old_quotas.per_key)
-        gateway.voices = SharedVoiceRegistry(gateway.engine, gateway.config, self.redis, prefix)
-        gateway.engine = DirectoryEngine(gateway.engine, self)
-        self.voices: SharedVoiceRegistry = gateway.voices
+        self.registry = CollectorRegistry()  # the cluster's metrics, served with the gateway's
+        self.store = Store(config.redis_url, self.registry)
+        self.redis = self.store.client
+        self.sessions: set[Session] = set()  # this replica's open /v1/stream sessions
+        self.quotas = SharedQuotas(self.store, self.replica_id, config.quota_limits, prefix)
+        self.voices = SharedVoiceRegistry(engine, config, self.store, prefix)
+        self.engine = DirectoryEngine(engine, self)
         self.calls: CallRouter | None = None  # Twilio calls: directory and control relay
         if twilio is not None:
             from gateway.cluster.calls import CallRouter
 
-            self.calls = CallRouter(self.redis, replica_id, twilio, prefix, registry=gateway.metrics.registry)
+            self.calls = CallRouter(self.store, self.replica_id, twilio, prefix, registry=self.registry)
+        self._live: dict[str, str] = {}  # directory entries of the live utterances held here
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._calls = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, Any]], list[dict[str, Any]], int]] = {}
-        registry = gateway.metrics.registry
         self.control_routed = Counter(
-            "cadence_control_routed", "Control messages by how they were served", ["route"], registry=registry
+            "cadence_control_routed",
+            "Control messages by how they were served",
+            ["route"],
+            registry=self.registry,
         )
         self.control_latency = Histogram(
             "cadence_control_remote_seconds",
             "Time to serve a control message held by another replica",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0),
-            registry=registry,
+            registry=self.registry,
         )
+        self.store.on_recovery(self.reassert)
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self, wait_s: float = 30.0) -> None:
+    async def start(self, wait_s: float = START_WAIT_S) -> None:
+        """Join the cluster; a store that does not answer within `wait_s` leaves this replica
+        serving on its own (degraded) until it does."""
         deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                await self.redis.ping()
+        for _ in range(int(wait_s / self.store.probe_s) + 1):
+            if await self.store.probe() or time.monotonic() > deadline:
                 break
-            except (aioredis.ConnectionError, OSError, TimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        await self._beat()
-        await self.voices.resync()
+            await asyncio.sleep(self.store.probe_s)
+        if self.store.up:
+            with contextlib.suppress(StoreUnavailable):
+                await self.quotas.write(full=True)
+                await self.voices.resync()
         subscribed = asyncio.Event()
         self._loops = [
+            asyncio.create_task(self.store.watch()),
+            asyncio.create_task(self.quotas.run()),
             asyncio.create_task(self._heartbeat_loop()),
             asyncio.create_task(self._listen_loop(subscribed)),
         ]
-        await asyncio.wait_for(subscribed.wait(), wait_s)
+        if self.store.up:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(subscribed.wait(), wait_s)
         if self.calls is not None:
             await self.calls.start(wait_s)
-        log.info("replica %s joined the cluster", self.replica_id)
+        if self.store.up:
+            log.info("replica %s joined the cluster", self.replica_id)
+        else:
+            log.error("replica %s serves without the shared store until it answers", self.replica_id)
 
     async def stop(self) -> None:
         if self.calls is not None:
@@ -173,12 +204,16 @@ class Cluster:
         for task in self._loops:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        with contextlib.suppress(Exception):
-            await self.redis.delete(f"{self.prefix}replica:{self.replica_id}")
+        if self.store.up:
+            with contextlib.suppress(Exception):
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(
+                    self.quotas.heartbeat_key(self.replica_id), self.quotas.usage_key(self.replica_id)
+                )
+                pipe.srem(self.quotas.members, self.replica_id)
+                await self.store.execute(pipe)
         await self.voices.close()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
-        self.sync_redis.close()
+        await self.store.close()
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -190,49 +225,67 @@ class Cluster:
         if not task.cancelled() and task.exception() is not None:
             log.debug("cluster task failed: %s", task.exception())
 
-    async def _beat(self) -> None:
-        await self.redis.set(f"{self.prefix}replica:{self.replica_id}", str(time.time()), ex=HEARTBEAT_TTL_S)
-
     async def _heartbeat_loop(self) -> None:
         last_resync = time.monotonic()
+        refused_at = -1e9
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            if not self.store.up:
+                continue
             try:
-                await self._beat()
+                await self.quotas.write(full=True)
+                await self.quotas.read_others()
                 if time.monotonic() - last_resync >= VOICE_RESYNC_S:
                     last_resync = time.monotonic()
                     await self.voices.resync()
-            except (aioredis.RedisError, OSError) as exc:
-                log.warning("Redis unreachable (%s); retrying", exc)
+            except StoreUnavailable:
+                pass  # the breaker logged it once; its recovery writes everything again
+            except Exception as exc:  # the store refused a command (out of memory, ...): said once a minute
+                if time.monotonic() - refused_at > 60:
+                    refused_at = time.monotonic()
+                    log.error("the shared store refused this replica's heartbeat: %s", exc)
+
+    async def reassert(self) -> None:
+        """The store is back (perhaps empty): write this replica's state again, at once."""
+        await self.quotas.write(full=True)
+        await self.quotas.read_others()
+        if self._live:
+            pipe = self.redis.pipeline(transaction=False)
+            for key, value in self._live.items():
+                pipe.set(key, value, ex=LIVE_TTL_S)
+            await self.store.execute(pipe)
+        if self.calls is not None:
+            self.calls.reassert()
+        await self.voices.resync()
 
     # -- the live-utterance directory ---------------------------------------------------------
     def directory_key_for(self, request_id: str) -> str | None:
         session_id, _, utterance_id = request_id.partition("/")
-        for session in self.gateway.sessions:
+        for session in self.sessions:
             if session.session_id == session_id:
                 return f"{self.prefix}utt:{session.protocol.key_id}:{utterance_id}"
         return None
 
-    async def set_directory(self, key: str, request_id: str) -> None:
-        session_id = request_id.partition("/")[0]
-        await self.redis.set(key, f"{self.replica_id} {session_id}", ex=LIVE_TTL_S)
+    def live_started(self, key: str, request_id: str) -> None:
+        value = f"{self.replica_id} {request_id.partition('/')[0]}"
+        self._live[key] = value
+        if self.store.up:  # else written when the store is back (reassert)
+            self.spawn(self.redis.set(key, value, ex=LIVE_TTL_S))
 
-    async def end_directory(self, key: str) -> None:
-        await self.redis.expire(key, ENDED_TTL_S)
+    def live_ended(self, key: str) -> None:
+        if self._live.pop(key, None) is not None and self.store.up:
+            self.spawn(self.redis.expire(key, ENDED_TTL_S))
 
     async def replicas(self) -> list[str]:
-        names = [
-            k.decode()[len(self.prefix) + len("replica:") :]
-            async for k in self.redis.scan_iter(match=f"{self.prefix}replica:*")
-        ]
-        return sorted(names)
+        """The live replicas, from the store."""
+        return await self.quotas.live_replicas()
 
     # -- control ------------------------------------------------------------------------------
     def interrupt_here(
         self, key_id: str, utterance_id: str, played_ms: int | None, session_id: str | None = None
     ) -> dict[str, Any] | None:
         """Interrupt an utterance of a session on this replica, as its own speak.cancel would."""
-        for session in list(self.gateway.sessions):
+        for session in list(self.sessions):
             if session.protocol.key_id != key_id or (session_id and session.session_id != session_id):
                 continue
             if session.protocol.utterance(utterance_id) is None:
@@ -330,18 +383,21 @@ class Cluster:
             f"{self.prefix}ctl:*",
             f"{self.prefix}reply:{self.replica_id}",
             self.voices.events,
+            self.quotas.channel,
         ]
 
         def on_message(channel: str, raw: bytes) -> None:
             data = raw.decode()
-            if channel == self.voices.events:
+            if channel == self.quotas.channel:
+                self.quotas.on_message(raw)
+            elif channel == self.voices.events:
                 self.spawn(self.voices.on_event(data))
             elif channel.startswith(f"{self.prefix}reply:"):
                 self._on_reply(json.loads(data))
             else:
                 self.spawn(self._on_request(json.loads(data)))
 
-        await listen_forever(self.redis, channels, on_message, subscribed, "Redis control")
+        await listen_forever(self.store, channels, on_message, subscribed, "cluster control")
 
     # -- routes -------------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
@@ -366,10 +422,8 @@ class Cluster:
             return JSONResponse({"error": {"message": message, "code": "invalid_message"}}, 400)
         try:
             result, route, owner = await self.interrupt(principal.key_id, utterance_id, played_ms, session_id)
-        except (aioredis.RedisError, OSError) as exc:
-            return JSONResponse(
-                {"error": {"message": f"the shared store is unreachable: {exc}", "code": "internal"}}, 503
-            )
+        except StoreUnavailable:
+            return unavailable(self.store.reason, "interrupts of utterances held by other replicas")
         if result is None:
             return JSONResponse(
                 {"error": {"message": f"no utterance {utterance_id[:64]!r}", "code": "unknown_utterance"}},
@@ -378,4 +432,8 @@ class Cluster:
         return JSONResponse({**result, "route": route, "owner": owner, "replica": self.replica_id})
 
     async def cluster_endpoint(self, request: Request) -> Response:
-        return JSONResponse({"replica": self.replica_id, "replicas": await self.replicas()})
+        try:
+            replicas = await self.replicas()
+        except StoreUnavailable:
+            return unavailable(self.store.reason, "the cluster's view")
+        return JSONResponse({"replica": self.replica_id, "replicas": replicas})

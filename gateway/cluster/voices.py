@@ -5,6 +5,11 @@ the set `{prefix}voices`; additions and deletions are announced on `{prefix}voic
 replica keeps its own copy of the voices (and the engine's prompt cache stays local, in the
 engine): it fills them from Redis at start-up, on each announcement, and on a periodic
 resynchronisation that also repairs whatever was missed while Redis was away.
+
+While the store is unreachable a registration still succeeds on the replica that took it (the
+voice is usable there at once) and is written through when the store is back; a deletion is
+applied here at once and in the store when it answers. A store restarted without persistence
+gets every voice back from the replicas that hold it.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ import redis.asyncio as aioredis
 import soundfile as sf
 
 from engine.api import Engine
+from gateway.cluster.store import Store
 from gateway.config import GatewayConfig
 from gateway.voices import VOICE_ID, Voice, VoiceRegistry
 
 log = logging.getLogger("cadence.redis")
+
+WRITE_TIMEOUT_S = 5.0  # a clip is up to a few megabytes
 
 
 def voice_to_redis(voice: Voice) -> dict[Any, Any]:  # the field mapping redis-py's hset takes
@@ -50,11 +58,13 @@ def voice_from_redis(voice_id: str, fields: Mapping[Any, Any]) -> Voice:
 
 
 class SharedVoiceRegistry(VoiceRegistry):
-    def __init__(self, engine: Engine, config: GatewayConfig, client: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, engine: Engine, config: GatewayConfig, store: Store, prefix: str) -> None:
         super().__init__(engine, config, config.voices_dir)
-        self.client = client
+        self.store = store
+        self.client = store.client
         self.prefix = prefix
         self.events = f"{prefix}voices:events"
+        self._deleted: set[str] = set()  # deleted here, not yet in the store
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _item_key(self, voice_id: str) -> str:
@@ -64,14 +74,26 @@ class SharedVoiceRegistry(VoiceRegistry):
         return f"{self.prefix}voice-deleted:{voice_id}"
 
     async def add(self, owner: str, name: str, text: str | None, data: bytes) -> tuple[Voice, str | None]:
+        """Stored here first (the voice is usable on this replica from now on), then written
+        through; a store that cannot take it now gets it at the resynchronisation after it is back."""
         voice, refusal = await super().add(owner, name, text, data)
-        await self.client.hset(self._item_key(voice.voice_id), mapping=voice_to_redis(voice))
-        await self.client.sadd(f"{self.prefix}voices", voice.voice_id)
-        await self.client.publish(self.events, f"add {voice.voice_id}")
+        try:
+            await self._write(voice)
+            await self.client.publish(self.events, f"add {voice.voice_id}")
+        except aioredis.RedisError as exc:
+            log.warning(
+                "voice %s is kept here; it reaches the store when it answers (%s)", voice.voice_id, exc
+            )
         return voice, refusal
+
+    async def _write(self, voice: Voice) -> None:
+        with self.store.patient(WRITE_TIMEOUT_S):
+            await self.client.hset(self._item_key(voice.voice_id), mapping=voice_to_redis(voice))
+        await self.client.sadd(f"{self.prefix}voices", voice.voice_id)
 
     def remove(self, voice_id: str) -> None:
         super().remove(voice_id)
+        self._deleted.add(voice_id)
         task = asyncio.get_running_loop().create_task(self._remove_shared(voice_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -82,16 +104,18 @@ class SharedVoiceRegistry(VoiceRegistry):
             await self.client.srem(f"{self.prefix}voices", voice_id)
             await self.client.delete(self._item_key(voice_id))
             await self.client.publish(self.events, f"del {voice_id}")
+            self._deleted.discard(voice_id)
         except aioredis.RedisError as exc:
-            log.warning("could not delete voice %s from Redis: %s", voice_id, exc)
+            log.warning("voice %s is deleted here; the store hears of it when it answers (%s)", voice_id, exc)
 
     async def fetch(self, voice_id: str) -> Voice | None:
         """A voice from Redis, registered with this replica's engine (a miss in the local copy)."""
         if voice_id in self._voices:
             return self._voices[voice_id]
-        if not VOICE_ID.fullmatch(voice_id):
+        if not VOICE_ID.fullmatch(voice_id) or voice_id in self._deleted:
             return None
-        fields = await self.client.hgetall(self._item_key(voice_id))
+        with self.store.patient(WRITE_TIMEOUT_S):
+            fields = await self.client.hgetall(self._item_key(voice_id))
         if not fields:
             return None
         try:
@@ -111,22 +135,26 @@ class SharedVoiceRegistry(VoiceRegistry):
             self._voices.pop(voice_id, None)
 
     async def resync(self) -> int:
-        """Make the local copy match Redis; voices held here but lost from Redis are written back."""
+        """Make the local copy match Redis: deletions made here while it was away reach it, and
+        voices held here but missing there (registered while it was away, or lost by a restart
+        without persistence) are written back."""
+        for voice_id in list(self._deleted):
+            await self._remove_shared(voice_id)
         members = {
             m.decode() if isinstance(m, bytes) else m
             for m in await self.client.smembers(f"{self.prefix}voices")
         }
-        for voice_id in members - set(self._voices):
+        for voice_id in members - set(self._voices) - self._deleted:
             await self.fetch(voice_id)
         for voice_id in set(self._voices) - members:
-            # deleted elsewhere (a tombstone says so), or lost by Redis (written back from here)
+            # deleted elsewhere (a tombstone says so), or not in Redis (written back from here)
             if await self.client.exists(self._tombstone(voice_id)):
                 self._voices.pop(voice_id, None)
                 continue
-            voice = self._voices[voice_id]
-            await self.client.hset(self._item_key(voice_id), mapping=voice_to_redis(voice))
-            await self.client.sadd(f"{self.prefix}voices", voice_id)
-            log.warning("voice %s was missing from Redis: written back", voice_id)
+            voice = self._voices.get(voice_id)
+            if voice is not None:
+                await self._write(voice)
+                log.info("voice %s was missing from the store: written back", voice_id)
         return len(self._voices)
 
     async def close(self) -> None:

@@ -123,6 +123,33 @@ async def test_quotas_over_the_wire(gateway_factory: GatewayFactory) -> None:
         assert r.json()["error"]["code"] == "rate_limited"
 
 
+async def test_a_client_that_leaves_mid_utterance_gives_its_quota_back(
+    gateway_factory: GatewayFactory,
+) -> None:
+    config = GatewayConfig(
+        quota_limits=QuotaLimits(sessions=1, utterances=1, chars_per_minute=10_000), quota_anonymous=True
+    )
+    gw = gateway_factory(FakeEngine(step_s=0.05), config)
+    quotas = gw.server.config.app.state.gateway.quotas
+    async with connect(gw.ws) as ws:
+        c = Client(ws)
+        await c.send(
+            type="speak.append", utterance_id="u1", text="a long utterance that is still playing " * 5
+        )
+        await c.until("utterance.started", "u1")
+        assert quotas.usage("anonymous") == (1, 1)
+    deadline = time.monotonic() + 5
+    while quotas.usage("anonymous") != (0, 0):  # the session's end is seen by the server
+        assert time.monotonic() < deadline, quotas.usage("anonymous")
+        await asyncio.sleep(0.02)
+    async with connect(gw.ws) as ws:  # the key may speak again
+        c = Client(ws)
+        await c.send(type="speak.append", utterance_id="u2", text="again")
+        await c.send(type="speak.end", utterance_id="u2")
+        await c.until("utterance.done", "u2")
+        assert not c.got.of_type("error")
+
+
 def _clip(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     wave = (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32)

@@ -64,6 +64,7 @@ class Cluster:
     replicas: list[Replica] = field(default_factory=list)
     redis: subprocess.Popen[bytes] | None = None
     nginx: subprocess.Popen[bytes] | None = None
+    _starts: int = 0
 
     @property
     def redis_url(self) -> str:
@@ -74,9 +75,13 @@ class Cluster:
         return f"http://127.0.0.1:{self.nginx_port}"
 
     # -- redis --------------------------------------------------------------------------------
-    def start_redis(self) -> None:
-        data = self.workdir / "redis"
+    def start_redis(self, persistent: bool = True) -> None:
+        """redis-server on `redis_port` with deploy/'s config; not `persistent`: an empty store
+        that keeps nothing (a fresh directory, no AOF, no snapshots)."""
+        self._starts += 1
+        data = self.workdir / ("redis" if persistent else f"redis-volatile-{self._starts}")
         data.mkdir(exist_ok=True)
+        volatile = [] if persistent else ["--appendonly", "no", "--save", ""]
         self.redis = subprocess.Popen(
             [
                 "redis-server",
@@ -93,6 +98,7 @@ class Cluster:
                 "",
                 "--maxmemory",
                 "256mb",
+                *volatile,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -104,6 +110,22 @@ class Cluster:
             self.redis.send_signal(signal.SIGTERM)  # a clean shutdown: AOF flushed
             self.redis.wait(10)
             self.redis = None
+
+    def kill_redis(self) -> None:
+        """SIGKILL: no shutdown at all (what the last second of the AOF held may be lost)."""
+        if self.redis is not None:
+            self.redis.send_signal(signal.SIGKILL)
+            self.redis.wait(10)
+            self.redis = None
+
+    def pause_redis(self) -> None:
+        """SIGSTOP: the store hangs; its sockets stay open and nothing answers."""
+        assert self.redis is not None
+        self.redis.send_signal(signal.SIGSTOP)
+
+    def resume_redis(self) -> None:
+        assert self.redis is not None
+        self.redis.send_signal(signal.SIGCONT)
 
     # -- replicas -----------------------------------------------------------------------------
     def start_replicas(
@@ -206,7 +228,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 replica.process.kill()
         if self.redis is not None:
-            self.redis.kill()
+            self.redis.kill()  # also a paused one
             self.redis.wait(5)
 
 
