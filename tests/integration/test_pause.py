@@ -111,7 +111,8 @@ async def run_session(url: str, engine: RecordingEngine, seed: int) -> int:
             headers = [h for h, _ in packets]
             assert [h.seq for h in headers] == list(range(len(headers)))  # no gap, no repeat
             assert all(
-                a.sample_offset + len(p) // 2 == b.sample_offset for (a, p), b in zip(packets, headers[1:])
+                a.sample_offset + len(p) // 2 == b.sample_offset
+                for (a, p), b in zip(packets[:-1], headers[1:], strict=True)
             )
             expected = engine.expected_payload(f"{session_id(client)}/{uid}", "pcm_s16le", rate)
             assert received(client, uid) == expected  # sample for sample
