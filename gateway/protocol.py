@@ -550,7 +550,7 @@ class SessionProtocol:
         out: list[Action] = []
         utt = self._active.get(uid)
         if utt is None:
-            if uid in self._history:
+            if uid in self._history or uid in self._paused:
                 raise ProtocolError("utterance_closed", f"utterance {uid!r} has ended", uid)
             self._check_can_open(uid, len(message.text), self.voice)
             self._take_quota(uid, len(message.text), now)
@@ -714,6 +714,8 @@ class SessionProtocol:
         utt.status = Status.INTERRUPTED
         if was_active:
             self._retire(utt)
+        elif utt.utterance_id not in self._history:  # paused past its place in the history
+            self._remember(utt)
         out.append(SendControl(utt.interrupted))
         return out + self._maybe_finish_session()
 
@@ -765,7 +767,7 @@ class SessionProtocol:
         segments, close = pause.withheld, pause.close_withheld
         if segments or close:
             out += self._give_text(utt, segments, close)
-        return out
+        return out + self._maybe_finish_session()
 
     def _keep(self, utt: Utterance, packets: list[Packet]) -> list[Action]:
         """Packets made while paused: kept for the unpause."""
@@ -807,7 +809,7 @@ class SessionProtocol:
             raise ProtocolError("unknown_utterance", f"no utterance {source_id!r}", uid)
         if source.cut is None:
             raise ProtocolError("not_interrupted", f"utterance {source_id!r} was not interrupted", uid)
-        if uid in self._active or uid in self._history:
+        if uid in self._active or uid in self._history or uid in self._paused:
             raise ProtocolError("utterance_exists", f"utterance {uid!r} already exists", uid)
         offset = resume_offset(source.words, source.text, source.cut)
         text = source.text[offset:]
@@ -961,12 +963,15 @@ class SessionProtocol:
         utt.packetiser = _spent(utt.packetiser)
         self._active.pop(utt.utterance_id, None)
         self._streams.pop(utt.stream, None)
+        self._remember(utt)
+
+    def _remember(self, utt: Utterance) -> None:
         self._history[utt.utterance_id] = utt
         while len(self._history) > self.config.history_size:
             self._history.popitem(last=False)
 
     def _maybe_finish_session(self) -> list[Action]:
-        if not self.ending or self._active or self.closed:
+        if not self.ending or self._active or self._paused or self.closed:
             return []
         return [SendControl({"type": "session.ended"}), *self._close(CLOSE_NORMAL, "session ended")]
 
