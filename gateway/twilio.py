@@ -437,11 +437,7 @@ class Call:
             targets = [target]
         for line, (played_ms, heard) in self._stop_listening(targets, live, now):
             line.by = by
-            self._run(
-                self.protocol.cancel(
-                    line.utterance_id, now, played_ms=played_ms, heard_index=heard, source="marks"
-                )
-            )
+            self._stop_one(self.protocol.cancel, line, now, played_ms, heard)
         self._wake.set()
 
     def pause(self, utterance_id: str | None, by: BargeInBy, now: float) -> None:
@@ -461,12 +457,25 @@ class Call:
             targets = [target]
         for line, (played_ms, heard) in self._stop_listening(targets, live, now):
             line.by = by
-            self._run(
-                self.protocol.pause(
-                    line.utterance_id, now, played_ms=played_ms, heard_index=heard, source="marks"
-                )
-            )
+            self._stop_one(self.protocol.pause, line, now, played_ms, heard)
         self._wake.set()
+
+    def _stop_one(
+        self,
+        stop: Callable[..., list[Action]],
+        line: PhoneUtterance,
+        now: float,
+        played_ms: int | None,
+        heard: int | None,
+    ) -> None:
+        """One utterance's part of a barge-in or pause (`protocol.cancel` / `protocol.pause`): a
+        refusal (an utterance the protocol no longer knows) goes to the agent, the others go on."""
+        try:
+            actions = stop(line.utterance_id, now, played_ms=played_ms, heard_index=heard, source="marks")
+        except ProtocolError as exc:
+            self._error(exc.code, exc.message, exc.utterance_id)
+            return
+        self._run(actions)
 
     def _line(self, utterance_id: str) -> PhoneUtterance:
         line = self.utterances.get(utterance_id)
