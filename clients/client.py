@@ -9,7 +9,11 @@
 
 Text may also be streamed: `session.append(uid, text)` ... `session.end(uid)` while iterating
 `session.events(uid)`. Barge-in: `session.interrupt(uid, played_ms=...)`; the iteration ends with
-an `Interrupted` event (the server's fence). `PlaybackClock` tracks what a listener has heard.
+an `Interrupted` event (the server's fence). A false interruption: `session.pause(uid,
+played_ms=...)` fences the stream the same way but keeps the rest (a `Paused` event), and
+`session.unpause(uid)` goes on from the first sample after the fence (`Unpaused`, then its
+packets); a pause left longer than the session's `pause_timeout_ms` ends as `Interrupted`.
+`PlaybackClock` tracks what a listener has heard (and can pause with it).
 """
 
 from __future__ import annotations
@@ -75,13 +79,31 @@ class Interrupted:
 
 
 @dataclass(frozen=True, slots=True)
+class Paused:
+    """speak.pause answered: what was heard (as `Interrupted`); no packet follows until unpaused."""
+
+    utterance_id: str
+    played_ms: int
+    position_source: str
+    last_word: Word | None
+    partial_word: Word | None
+    spoken_text: str
+    unspoken_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unpaused:
+    utterance_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     code: str
     message: str
     utterance_id: str | None = None
 
 
-Event = Started | Packet | Words | Done | Interrupted | Error
+Event = Started | Packet | Words | Done | Interrupted | Paused | Unpaused | Error
 _TERMINAL = (Done, Interrupted, Error)
 
 
@@ -113,8 +135,9 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
         return Words(uid, str(raw.get("source", "")), words)
     if kind == "utterance.done":
         return Done(uid, int(raw["duration_ms"]), int(raw["packets"]))
-    if kind == "utterance.interrupted":
-        return Interrupted(
+    if kind in ("utterance.interrupted", "utterance.paused"):
+        report = Interrupted if kind == "utterance.interrupted" else Paused
+        return report(
             uid,
             int(raw["played_ms"]),
             str(raw.get("position_source", "")),
@@ -123,6 +146,8 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
             str(raw.get("spoken_text", "")),
             str(raw.get("unspoken_text", "")),
         )
+    if kind == "utterance.unpaused":
+        return Unpaused(uid)
     if kind == "error":
         return Error(str(raw.get("code", "")), str(raw.get("message", "")), raw.get("utterance_id"))
     return None
@@ -164,13 +189,14 @@ class PlaybackClock:
         self.first_packet_at: float | None = None
         self._anchor_at = 0.0  # playing from `_anchor_pos` at time `_anchor_at`
         self._anchor_pos = 0
+        self._paused_at: float | None = None
 
     def on_packet(self, samples: int, at: float | None = None) -> None:
         at = self._clock() if at is None else at
         if self.first_packet_at is None:
             self.first_packet_at = at
             self._anchor_at = at + self.buffer_s
-        elif at > self._anchor_at and self._position(at) >= self.received:
+        elif self._paused_at is None and at > self._anchor_at and self._position(at) >= self.received:
             self.underruns += 1  # the player ran dry before this packet came: resume from now
             dry_at = self._anchor_at + (self.received - self._anchor_pos) / self.sample_rate
             self.stall_s += max(0.0, at - dry_at)
@@ -179,8 +205,22 @@ class PlaybackClock:
             self._anchor_at, self._anchor_pos = at, self.received
         self.received += samples
 
+    def pause(self, at: float | None = None) -> None:
+        """The player stops (a pause): the position holds until `resume`."""
+        at = self._clock() if at is None else at
+        if self._paused_at is None:
+            self._anchor_pos, self._anchor_at = self.played_samples(at), max(at, self._anchor_at)
+            self._paused_at = at
+
+    def resume(self, at: float | None = None) -> None:
+        """The player goes on from where it paused."""
+        at = self._clock() if at is None else at
+        if self._paused_at is not None:
+            self._paused_at = None
+            self._anchor_at = max(at, self._anchor_at)
+
     def _position(self, at: float) -> int:
-        if at <= self._anchor_at:
+        if self._paused_at is not None or at <= self._anchor_at:
             return self._anchor_pos
         return self._anchor_pos + int((at - self._anchor_at) * self.sample_rate)
 
@@ -278,6 +318,23 @@ class Session:
             message["utterance_id"] = utterance_id
         if played_ms is not None:
             message["played_ms"] = int(played_ms)
+        await self._send(message)
+
+    async def pause(self, utterance_id: str | None = None, played_ms: int | None = None) -> None:
+        """speak.pause (a possible false interruption): the utterance's events go on with `Paused`,
+        and nothing of it comes until `unpause` (or, after the pause timeout, `Interrupted`)."""
+        message: dict[str, Any] = {"type": "speak.pause"}
+        if utterance_id is not None:
+            message["utterance_id"] = utterance_id
+        if played_ms is not None:
+            message["played_ms"] = int(played_ms)
+        await self._send(message)
+
+    async def unpause(self, utterance_id: str | None = None) -> None:
+        """speak.unpause: `Unpaused`, then the audio from the first sample after the fence."""
+        message: dict[str, Any] = {"type": "speak.unpause"}
+        if utterance_id is not None:
+            message["utterance_id"] = utterance_id
         await self._send(message)
 
     async def report(self, utterance_id: str, played_ms: int) -> None:
@@ -389,6 +446,7 @@ async def connect(
     packet_ms: int | None = None,
     timestamps: str = "word",
     pacing: str = "asap",
+    pause_timeout_ms: int | None = None,
     token: str | None = None,
     on_interrupt: Callable[[Interrupted], object] | None = None,
     open_timeout: float = 10.0,
@@ -396,6 +454,8 @@ async def connect(
 ) -> AsyncIterator[Session]:
     """Open a session (session.start with these options; `extra` fields are passed through)."""
     options: dict[str, Any] = {"timestamps": timestamps, "pacing": pacing, **extra}
+    if pause_timeout_ms is not None:
+        options["pause_timeout_ms"] = pause_timeout_ms
     for name, value in (("voice", voice), ("language", language), ("instructions", instructions)):
         if value is not None:
             options[name] = value

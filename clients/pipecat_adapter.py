@@ -6,20 +6,38 @@
 
 Each Pipecat turn (its context id) is one Cadence utterance: every sentence Pipecat hands over is a
 `speak.append` (flushed), the turn's end is `speak.end`. Audio packets become `TTSAudioRawFrame`s
-of that context; Cadence's `words` become Pipecat word timestamps, so Pipecat emits each word's
-`TTSTextFrame` when playback reaches it, and an interrupted turn keeps only the words heard. On
-a Pipecat interruption the utterance is cancelled (`speak.cancel`): Cadence's fence guarantees
-that no packet of it follows.
+of that context; Cadence's `words` become Pipecat word timestamps (each handed over with the
+audio it starts in), so Pipecat emits each word's `TTSTextFrame` when playback reaches it, and an
+interrupted turn keeps only the words heard. On a Pipecat interruption the utterance is cancelled
+(`speak.cancel`): Cadence's fence guarantees that no packet of it follows.
+
+False interruptions (`false_interruption_timeout_s`): when the VAD hears the user start speaking
+during a turn, the turn is paused on Cadence (`speak.pause`: nothing more is sent, what is made is
+kept); if Pipecat then interrupts (its turn strategy found words), the turn is cancelled as usual;
+if the user stops and no interruption comes within the timeout, it goes on (`speak.unpause`) from
+the first sample after the fence, and the later words' times move by the pause. Let Pipecat
+interrupt on words, not on the VAD alone (a minimum-words turn start strategy), or every sound
+interrupts at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
-from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.frames.frames import (
+    ErrorFrame,
+    Frame,
+    TTSAudioRawFrame,
+    TTSStoppedFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import WebsocketTTSService
 from websockets.protocol import State
@@ -38,13 +56,20 @@ class CadenceTTSService(WebsocketTTSService):
         token: str | None = None,
         sample_rate: int = 24_000,
         pacing: str = "realtime",
+        false_interruption_timeout_s: float | None = None,
+        pause_timeout_ms: int | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("settings", TTSSettings(model=None, voice=voice, language=language))
+        if false_interruption_timeout_s is not None:  # a paused turn is quiet: Pipecat must not end it
+            kwargs.setdefault("stop_frame_timeout_s", (pause_timeout_ms or 5000) / 1000 + 1.0)
         super().__init__(push_text_frames=False, push_start_frame=True, sample_rate=sample_rate, **kwargs)
         self._url = url
         self._token = token
         self._session_options: dict[str, Any] = {"timestamps": "word", "pacing": pacing}
+        if pause_timeout_ms is not None:
+            self._session_options["pause_timeout_ms"] = pause_timeout_ms
+        self._false_interruption_s = false_interruption_timeout_s
         for name, value in (("voice", voice), ("language", language), ("instructions", instructions)):
             if value is not None:
                 self._session_options[name] = value
@@ -53,6 +78,12 @@ class CadenceTTSService(WebsocketTTSService):
         self._open: set[str] = set()  # context ids with an utterance still taking text
         self._receive_task: Any = None
         self.interruptions: list[dict[str, Any]] = []  # Cadence's reports of the cancelled turns
+        self.pauses: list[dict[str, Any]] = []  # Cadence's reports of the paused turns
+        self._words: dict[str, deque[tuple[str, int]]] = {}  # per turn: (word, start_ms) not handed over
+        self._received_ms: dict[str, float] = {}  # per turn: audio received, ms
+        self._shift_s: dict[str, float] = {}  # per turn: how long its pauses lasted
+        self._paused: dict[str, float] = {}  # turns paused on Cadence -> when (monotonic)
+        self._resume_task: Any = None
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -138,10 +169,46 @@ class CadenceTTSService(WebsocketTTSService):
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Pipecat interrupted the turn: cancel it on Cadence (the fence stops its packets)."""
         await self.stop_all_metrics()
+        self._paused.pop(context_id, None)
         if context_id and self._websocket is not None:
             self._open.discard(context_id)
             await self._send({"type": "speak.cancel", "utterance_id": context_id})
         await super().on_audio_context_interrupted(context_id)
+
+    # -- false interruptions ------------------------------------------------------------------
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if self._false_interruption_s is None:
+            return
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            await self._cancel_resume()
+            await self._pause_turns()
+        elif isinstance(frame, VADUserStoppedSpeakingFrame) and self._paused:
+            await self._cancel_resume()
+            self._resume_task = self.create_task(self._resume_after(self._false_interruption_s))
+
+    async def _pause_turns(self) -> None:
+        """The user may be speaking: stop the turns whose audio is still coming."""
+        if self._websocket is None:
+            return
+        for context_id in dict.fromkeys(self._streams.values()):
+            if context_id not in self._paused and self.audio_context_available(context_id):
+                self._paused[context_id] = time.monotonic()
+                await self._send({"type": "speak.pause", "utterance_id": context_id})
+
+    async def _resume_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._resume_task = None
+        paused, self._paused = self._paused, {}
+        for context_id, since in paused.items():  # no interruption came: it was not speech
+            if self._websocket is not None and self.audio_context_available(context_id):
+                self._shift_s[context_id] = self._shift_s.get(context_id, 0.0) + time.monotonic() - since
+                await self._send({"type": "speak.unpause", "utterance_id": context_id})
+
+    async def _cancel_resume(self) -> None:
+        if self._resume_task is not None:
+            task, self._resume_task = self._resume_task, None
+            await self.cancel_task(task)
 
     # -- audio and words out ------------------------------------------------------------------
     async def _receive_messages(self) -> None:
@@ -159,6 +226,8 @@ class CadenceTTSService(WebsocketTTSService):
         context_id = self._streams.get(header.stream)
         if context_id is None or not self.audio_context_available(context_id) or not payload:
             return
+        self._received_ms[context_id] = (header.sample_offset + len(payload) // 2) * 1000 / self.sample_rate
+        await self._hand_words(context_id)
         await self.stop_ttfb_metrics()
         await self.append_to_audio_context(
             context_id,
@@ -173,17 +242,23 @@ class CadenceTTSService(WebsocketTTSService):
         if kind == "utterance.started":
             self._streams[int(message["stream"])] = str(context_id)
         elif kind == "words" and context_id and self.audio_context_available(context_id):
-            await self.add_word_timestamps(
-                [(w["text"], w["start_ms"] / 1000.0) for w in message.get("words", [])], context_id
-            )
+            pending = self._words.setdefault(context_id, deque())
+            pending.extend((w["text"], w["start_ms"]) for w in message.get("words", []))
+            await self._hand_words(context_id)
         elif kind == "utterance.done" and context_id:
-            self._forget(context_id)
             if self.audio_context_available(context_id):
+                await self._hand_words(context_id, every=True)
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)
+            self._forget(context_id)
+        elif kind == "utterance.paused" and context_id:
+            self.pauses.append(message)
         elif kind == "utterance.interrupted" and context_id:
             self._forget(context_id)
             self.interruptions.append(message)
+            if self.audio_context_available(context_id):  # Cadence ended it (a pause that timed out)
+                await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                await self.remove_audio_context(context_id)
         elif kind == "error":
             await self.push_error(error_msg=f"Cadence {message.get('code')}: {message.get('message')}")
             if context_id and self.audio_context_available(context_id):
@@ -191,8 +266,25 @@ class CadenceTTSService(WebsocketTTSService):
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)
 
+    async def _hand_words(self, context_id: str, every: bool = False) -> None:
+        """Words go to Pipecat with the audio they start in (a paused turn's later words wait for
+        theirs), timed on the turn's audio moved by its pauses."""
+        pending = self._words.get(context_id)
+        if not pending:
+            return
+        received, shift = self._received_ms.get(context_id, 0.0), self._shift_s.get(context_id, 0.0)
+        ready: list[tuple[str, float]] = []
+        while pending and (every or pending[0][1] < received):
+            text, start_ms = pending.popleft()
+            ready.append((text, start_ms / 1000.0 + shift))
+        if ready:
+            await self.add_word_timestamps(ready, context_id)
+
     def _forget(self, context_id: str) -> None:
         self._open.discard(context_id)
+        self._paused.pop(context_id, None)
+        for state in (self._words, self._received_ms, self._shift_s):
+            state.pop(context_id, None)
         for stream, owner in list(self._streams.items()):
             if owner == context_id:
                 del self._streams[stream]

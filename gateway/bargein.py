@@ -6,7 +6,9 @@
 - `spoken_text` runs to last_word.char_end; `unspoken_text` is the rest of the utterance's text.
 - The position comes from the cancel message ("client"), else the last playback.report
   extrapolated at real time and capped at what was sent ("report"), else the server's own clock
-  from the first packet sent, capped at what was sent ("server").
+  from the first packet sent, capped at what was sent ("server"). After a pause the server's clock
+  runs from the paused position, from the moment of the unpause.
+- A caller that knows which words were heard (Twilio's marks) bounds `last_word` by that index.
 """
 
 from __future__ import annotations
@@ -43,24 +45,27 @@ def played_position(
     first_sent_at: float | None,
     sent_ms: int,
     now: float,
+    start_ms: int = 0,
 ) -> tuple[int, PositionSource]:
-    """The played position (ms) and where it came from, in the protocol's order of preference."""
+    """The played position (ms) and where it came from, in the protocol's order of preference.
+    `start_ms` is where the listener was at `first_sent_at` (not 0 once a pause has ended)."""
     if client_ms is not None:
         return max(0, min(client_ms, sent_ms)), "client"
     if report is not None:
         extrapolated = report.played_ms + max(0.0, now - report.at) * 1000.0
         return max(0, min(round(extrapolated), sent_ms)), "report"
     if first_sent_at is None:
-        return 0, "server"
-    elapsed = max(0.0, now - first_sent_at) * 1000.0
+        return min(start_ms, sent_ms), "server"
+    elapsed = start_ms + max(0.0, now - first_sent_at) * 1000.0
     return max(0, min(round(elapsed), sent_ms)), "server"
 
 
-def cut_at(words: Sequence[Word], text: str, played_ms: int) -> Cut:
-    """Split the utterance at `played_ms`. `words` are in timeline order."""
+def cut_at(words: Sequence[Word], text: str, played_ms: int, heard_index: int | None = None) -> Cut:
+    """Split the utterance at `played_ms`. `words` are in timeline order. With `heard_index`, no
+    word after that one counts as heard."""
     last: Word | None = None
     for word in words:
-        if word.end_ms <= played_ms + END_TOLERANCE_MS:
+        if word.end_ms <= played_ms + END_TOLERANCE_MS and (heard_index is None or word.index <= heard_index):
             last = word
     partial: Word | None = None
     for word in words:

@@ -43,6 +43,12 @@ class GatewayConfig:
     max_utterances_per_session: int = 10_000
     # an utterance whose text stays open this long without an append is ended as by speak.end
     text_timeout_s: float = 30.0
+    # a paused utterance neither unpaused nor cancelled for this long is interrupted (a session
+    # may choose its own in session.start)
+    pause_timeout_ms: int = 5_000
+    # a paused utterance keeps at most this much audio after the fence; beyond it its engine stream
+    # is held back and no more of its text reaches the engine until the unpause
+    pause_buffer_ms: int = 10_000
     # a session with nothing in progress and no client message for this long is closed (1000)
     idle_timeout_s: float = 300.0
     # a client that takes no audio for this long while its queue is full is closed (1008), and
@@ -89,6 +95,8 @@ class GatewayConfig:
             "max_voices": self.max_voices,
             "text_timeout_s": self.text_timeout_s,
             "idle_timeout_s": self.idle_timeout_s,
+            "pause_timeout_ms": self.pause_timeout_ms,
+            "pause_buffer_ms": self.pause_buffer_ms,
             "slow_client_timeout_s": self.slow_client_timeout_s,
             "voice_decode_timeout_s": self.voice_decode_timeout_s,
         }

@@ -27,7 +27,7 @@ BYTES_PER_SAMPLE: Final[dict[Encoding, int]] = {"pcm_s16le": 2, "pcm_f32le": 4, 
 Timestamps = Literal["word", "none"]
 Pacing = Literal["asap", "realtime"]
 Alignment = Literal["sync", "async"]  # with a forced aligner: audio waits for its words, or not
-PositionSource = Literal["client", "report", "server"]
+PositionSource = Literal["client", "report", "server", "marks"]  # "marks": Twilio's echoed marks
 WordSource = Literal["aligner", "engine", "estimate"]
 
 MAX_ID_CHARS: Final = 128
@@ -47,6 +47,7 @@ ErrorCode = Literal[
     "utterance_closed",  # text for an utterance that has ended or been interrupted
     "utterance_exists",  # speak.resume into an id already used
     "not_interrupted",  # speak.resume from an utterance that was not interrupted
+    "not_paused",  # speak.unpause of an utterance that is not paused
     "too_many_utterances",
     "overloaded",
     "shutting_down",
@@ -90,6 +91,7 @@ class SessionStart:
     pacing: Pacing = "asap"
     webhook_url: str | None = None  # each utterance.interrupted is also POSTed here (signed)
     alignment: Alignment = "async"
+    pause_timeout_ms: int | None = None  # a paused utterance is interrupted after this (None: the server's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,19 @@ class SpeakResume:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeakPause:
+    utterance_id: str | None = None  # None = every active utterance of the session
+    played_ms: int | None = None
+    type: Literal["speak.pause"] = "speak.pause"
+
+
+@dataclass(frozen=True, slots=True)
+class SpeakUnpause:
+    utterance_id: str | None = None  # None = every paused utterance of the session
+    type: Literal["speak.unpause"] = "speak.unpause"
+
+
+@dataclass(frozen=True, slots=True)
 class PlaybackReport:
     utterance_id: str
     played_ms: int
@@ -148,6 +163,8 @@ ClientMessage = (
     | SpeakEnd
     | SpeakCancel
     | SpeakResume
+    | SpeakPause
+    | SpeakUnpause
     | PlaybackReport
     | SessionEnd
 )
@@ -239,6 +256,25 @@ class UtteranceInterrupted(TypedDict):
     unspoken_text: str
 
 
+class UtterancePaused(TypedDict):
+    """speak.pause answered: the same report as utterance.interrupted, but the utterance goes on
+    after speak.unpause (a fence until then)."""
+
+    type: Literal["utterance.paused"]
+    utterance_id: str
+    played_ms: int
+    position_source: PositionSource
+    last_word: WordInfo | None
+    partial_word: WordInfo | None
+    spoken_text: str
+    unspoken_text: str
+
+
+class UtteranceUnpaused(TypedDict):
+    type: Literal["utterance.unpaused"]
+    utterance_id: str
+
+
 class ErrorMessage(TypedDict):
     type: Literal["error"]
     code: ErrorCode
@@ -256,6 +292,8 @@ ServerMessage = (
     | Words
     | UtteranceDone
     | UtteranceInterrupted
+    | UtterancePaused
+    | UtteranceUnpaused
     | ErrorMessage
     | SessionEnded
 )
@@ -428,7 +466,18 @@ def _session_start(f: _Fields) -> SessionStart:
         pacing="realtime" if f.choice("pacing", ("asap", "realtime"), "asap") == "realtime" else "asap",
         webhook_url=_webhook_url(f),
         alignment="sync" if f.choice("alignment", ("sync", "async"), "async") == "sync" else "async",
+        pause_timeout_ms=_pause_timeout(f),
     )
+
+
+MAX_PAUSE_TIMEOUT_MS: Final = 600_000
+
+
+def _pause_timeout(f: _Fields) -> int | None:
+    value = f.milliseconds("pause_timeout_ms")
+    if value is not None and not 0 < value <= MAX_PAUSE_TIMEOUT_MS:
+        raise f.fail(f"`pause_timeout_ms` must be from 1 to {MAX_PAUSE_TIMEOUT_MS}")
+    return value
 
 
 MAX_URL_CHARS: Final = 2048
@@ -465,6 +514,10 @@ def _speak_cancel(f: _Fields) -> SpeakCancel:
     return SpeakCancel(f.optional_ident("utterance_id"), f.milliseconds("played_ms"))
 
 
+def _speak_pause(f: _Fields) -> SpeakPause:
+    return SpeakPause(f.optional_ident("utterance_id"), f.milliseconds("played_ms"))
+
+
 def _playback_report(f: _Fields) -> PlaybackReport:
     played = f.milliseconds("played_ms", required=True)
     assert played is not None
@@ -478,6 +531,8 @@ _DECODERS: Final[dict[str, Callable[[_Fields], ClientMessage]]] = {
     "speak.end": lambda f: SpeakEnd(f.ident("utterance_id")),
     "speak.cancel": _speak_cancel,
     "speak.resume": lambda f: SpeakResume(f.ident("utterance_id"), f.ident("from_utterance")),
+    "speak.pause": _speak_pause,
+    "speak.unpause": lambda f: SpeakUnpause(f.optional_ident("utterance_id")),
     "playback.report": _playback_report,
     "session.end": lambda f: SessionEnd(),
 }

@@ -10,6 +10,13 @@ Life of an utterance: OPEN (text accepted) -> TEXT_CLOSED (speak.end) -> GENERAT
 made) -> DELIVERED (utterance.done sent); or INTERRUPTED / FAILED from any active state. Finished
 utterances stay in a short history so that a late speak.cancel and speak.resume still work; a
 retired utterance keeps its text, words and figures but not its resampler state.
+
+Pausing is beside that life, not a step of it: speak.pause fences the stream like speak.cancel
+(`Hold` takes its queued audio back, `utterance.paused` goes on the control lane), but the engine
+goes on and its audio is kept, up to `pause_buffer_ms`; past that the stream is throttled and its
+text withheld. speak.unpause sends what was kept, from the first sample after the fence; a pause
+that outlives its timeout (`WakeAt` asks for the tick) becomes an interruption at the paused
+position.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from gateway.messages import (
     ErrorMessage,
     Pacing,
     PlaybackReport,
+    PositionSource,
     ProtocolError,
     ServerMessage,
     SessionEnd,
@@ -40,8 +48,11 @@ from gateway.messages import (
     SpeakCancel,
     SpeakEnd,
     SpeakFlush,
+    SpeakPause,
     SpeakResume,
+    SpeakUnpause,
     Timestamps,
+    UtterancePaused,
     UtteranceStarted,
     Word,
     decode,
@@ -116,9 +127,59 @@ class Close:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """speak.pause: take every queued audio-lane item of this stream back, and hand its packets (in
+    order) to `SessionProtocol.held`, saying whether its utterance.done was among them. Where the
+    listener's own buffer was emptied too (Twilio's `clear`), the packets sent after the fence come
+    back as well, the first one cut at the fence."""
+
+    utterance_id: str
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unhold:
+    """speak.unpause: the stream goes on; under realtime pacing its clock restarts with the listener
+    at `played_samples` now."""
+
+    stream: int
+    played_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class Throttle:
+    """Stop (`on`) or resume taking this utterance's engine audio: meanwhile its chunks wait with
+    its engine stream."""
+
+    utterance_id: str
+    on: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WakeAt:
+    """Call `tick` at this time (a pause's deadline)."""
+
+    at: float
+
+
 Action = (
-    SendControl | SendAudio | SendTrailer | Purge | OpenStream | PushText | CloseText | CancelStream | Close
+    SendControl
+    | SendAudio
+    | SendTrailer
+    | Purge
+    | OpenStream
+    | PushText
+    | CloseText
+    | CancelStream
+    | Close
+    | Hold
+    | Unhold
+    | Throttle
+    | WakeAt
 )
+
+_CLOCK_SLACK_S = 0.002  # a timer may fire this much before its time
 
 
 # -- state ------------------------------------------------------------------------------------
@@ -143,6 +204,23 @@ _RECEIVING: tuple[Status, ...] = (Status.OPEN, Status.TEXT_CLOSED)  # taking eng
 
 
 @dataclass(slots=True)
+class Pause:
+    """A paused utterance: where the listener stopped, and what is kept for the unpause."""
+
+    message: UtterancePaused  # the answer, again for a repeated speak.pause
+    played_ms: int
+    source: PositionSource
+    heard_index: int | None  # the last word known to be heard (Twilio's marks), if known
+    deadline: float  # when it becomes an interruption
+    held: list[Packet] = field(default_factory=list)  # from the first sample after the fence
+    held_samples: int = 0
+    trailer: bool = False  # utterance.done waits behind the held packets
+    throttled: bool = False  # the kept audio reached pause_buffer_ms
+    withheld: list[TextSegment] = field(default_factory=list)  # text kept from the engine meanwhile
+    close_withheld: bool = False  # and its speak.end
+
+
+@dataclass(slots=True)
 class Utterance:
     utterance_id: str
     stream: int
@@ -163,6 +241,8 @@ class Utterance:
     interrupted: ServerMessage | None = None
     resumed_from: str | None = None
     text_offset: int = 0
+    pause: Pause | None = None
+    clock: Report | None = None  # after an unpause: the listener went on from there, then
 
     @property
     def sent_ms(self) -> int:
@@ -199,6 +279,7 @@ class SessionProtocol:
         self.pacing: Pacing = "asap"
         self.alignment: Alignment = "async"
         self.webhook_url: str | None = None  # session.start: where interruptions are POSTed
+        self.pause_timeout_ms = config.pause_timeout_ms
         self.started = False
         self.ending = False  # session.end received
         self.shutting_down = False
@@ -206,6 +287,7 @@ class SessionProtocol:
         self._active: dict[str, Utterance] = {}
         self._history: OrderedDict[str, Utterance] = OrderedDict()
         self._streams: dict[int, Utterance] = {}
+        self._paused: dict[str, Utterance] = {}  # paused ones (a delivered one may be, too)
         self._next_stream = 1
 
     # -- queries ------------------------------------------------------------------------------
@@ -262,7 +344,11 @@ class SessionProtocol:
         if isinstance(message, SpeakEnd):
             return self._flush(message.utterance_id, close=True)
         if isinstance(message, SpeakCancel):
-            return self._cancel(message, now)
+            return self.cancel(message.utterance_id, now, played_ms=message.played_ms)
+        if isinstance(message, SpeakPause):
+            return self.pause(message.utterance_id, now, played_ms=message.played_ms)
+        if isinstance(message, SpeakUnpause):
+            return self.unpause(message.utterance_id, now)
         if isinstance(message, SpeakResume):
             return self._resume(message, now)
         if isinstance(message, PlaybackReport):
@@ -331,7 +417,10 @@ class SessionProtocol:
         utt.engine_samples += len(samples)
         packets = utt.packetiser.push(samples, final=chunk.final)
         if packets:
-            out.append(SendAudio(utt.stream, packets))
+            if utt.pause is None:
+                out.append(SendAudio(utt.stream, packets))
+            else:
+                out += self._keep(utt, packets)
         if chunk.final:
             out += self._generated(utt)
         return out
@@ -341,7 +430,10 @@ class SessionProtocol:
         utt = self._active.get(utterance_id)
         if utt is None or utt.status not in _RECEIVING:
             return []
-        out: list[Action] = [SendAudio(utt.stream, utt.packetiser.push(np.zeros(0, np.float32), True))]
+        packets = utt.packetiser.push(np.zeros(0, np.float32), True)
+        out: list[Action] = (
+            [SendAudio(utt.stream, packets)] if utt.pause is None else self._keep(utt, packets)
+        )
         return out + self._generated(utt)
 
     def stream_failed(self, utterance_id: str, exc: BaseException) -> list[Action]:
@@ -349,6 +441,7 @@ class SessionProtocol:
         if utt is None:
             return []
         utt.status = Status.FAILED
+        self._end_pause(utt)
         self._retire(utt)
         return [
             Purge(utt.stream),
@@ -386,9 +479,11 @@ class SessionProtocol:
         out: list[Action] = []
         for utt in list(self._active.values()):
             if utt.status is Status.OPEN and now - utt.last_text_at > self.config.text_timeout_s:
-                out += [PushText(utt.utterance_id, s) for s in utt.segmenter.flush()]
                 utt.status = Status.TEXT_CLOSED
-                out.append(CloseText(utt.utterance_id))
+                out += self._give_text(utt, utt.segmenter.flush(), close=True)
+        for utt in list(self._paused.values()):
+            if utt.pause is not None and now + _CLOCK_SLACK_S >= utt.pause.deadline:
+                out += self._interrupt(utt, None, now)
         if not self._active and now - self.last_message_at > self.config.idle_timeout_s:
             out += self._close(CLOSE_NORMAL, "idle timeout")
         return out
@@ -406,6 +501,8 @@ class SessionProtocol:
                 out.append(CancelStream(utt.utterance_id))
             out.append(Purge(utt.stream))
             self._retire(utt)
+        for utt in list(self._paused.values()):
+            self._end_pause(utt)
         return out + self._close(code, reason)
 
     # -- message handlers ---------------------------------------------------------------------
@@ -429,6 +526,8 @@ class SessionProtocol:
         self.pacing = message.pacing
         self.alignment = message.alignment
         self.webhook_url = message.webhook_url
+        if message.pause_timeout_ms is not None:
+            self.pause_timeout_ms = message.pause_timeout_ms
         return self._ensure_started()
 
     def _ensure_started(self) -> list[Action]:
@@ -451,7 +550,7 @@ class SessionProtocol:
         out: list[Action] = []
         utt = self._active.get(uid)
         if utt is None:
-            if uid in self._history:
+            if uid in self._history or uid in self._paused:
                 raise ProtocolError("utterance_closed", f"utterance {uid!r} has ended", uid)
             self._check_can_open(uid, len(message.text), self.voice)
             self._take_quota(uid, len(message.text), now)
@@ -474,7 +573,7 @@ class SessionProtocol:
         segments = utt.segmenter.feed(message.text)
         if message.flush:
             segments += utt.segmenter.flush()
-        return out + [PushText(uid, s) for s in segments]
+        return out + self._give_text(utt, segments)
 
     def _flush(self, uid: str, close: bool) -> list[Action]:
         utt = self._active.get(uid)
@@ -484,40 +583,122 @@ class SessionProtocol:
             raise ProtocolError("unknown_utterance", f"no utterance {uid!r}", uid)
         if utt.status is not Status.OPEN:
             return []  # a second speak.end (or a flush after it) changes nothing
-        out: list[Action] = [PushText(uid, s) for s in utt.segmenter.flush()]
         if close:
             utt.status = Status.TEXT_CLOSED
-            out.append(CloseText(uid))
-        return out
+        return self._give_text(utt, utt.segmenter.flush(), close)
 
-    def _cancel(self, message: SpeakCancel, now: float) -> list[Action]:
-        if message.utterance_id is None:
+    # -- barge-in (also driven directly by the Twilio endpoint) --------------------------------
+    def cancel(
+        self,
+        utterance_id: str | None,
+        now: float,
+        *,
+        played_ms: int | None = None,
+        heard_index: int | None = None,
+        source: PositionSource | None = None,
+    ) -> list[Action]:
+        """speak.cancel. `heard_index` bounds the last word heard, `source` names where a given
+        `played_ms` came from (the Twilio endpoint's marks); raises ProtocolError."""
+        if utterance_id is None:
             out: list[Action] = []
-            for utt in list(self._active.values()):
+            for utt in list({**self._active, **self._paused}.values()):
                 out += self._interrupt(utt, None, now)
             return out
-        uid = message.utterance_id
-        target = self.utterance(uid)
+        target = self.utterance(utterance_id) or self._paused.get(utterance_id)
         if target is None:
-            raise ProtocolError("unknown_utterance", f"no utterance {uid!r}", uid)
-        return self._interrupt(target, message.played_ms, now)
+            raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
+        return self._interrupt(target, played_ms, now, heard_index, source)
 
-    def _interrupt(self, utt: Utterance, client_ms: int | None, now: float) -> list[Action]:
+    def pause(
+        self,
+        utterance_id: str | None,
+        now: float,
+        *,
+        played_ms: int | None = None,
+        heard_index: int | None = None,
+        source: PositionSource | None = None,
+    ) -> list[Action]:
+        """speak.pause (arguments as for `cancel`); raises ProtocolError."""
+        if utterance_id is None:
+            out: list[Action] = []
+            for utt in list(self._active.values()):
+                if utt.pause is None:
+                    out += self._pause(utt, None, now, None, None)
+            return out
+        target = self._paused.get(utterance_id) or self.utterance(utterance_id)
+        if target is None:
+            raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
+        if target.status is Status.INTERRUPTED or target.status is Status.FAILED:
+            raise ProtocolError("utterance_closed", f"utterance {utterance_id!r} has ended", utterance_id)
+        return self._pause(target, played_ms, now, heard_index, source)
+
+    def unpause(self, utterance_id: str | None, now: float) -> list[Action]:
+        """speak.unpause; raises ProtocolError."""
+        if utterance_id is None:
+            out: list[Action] = []
+            for utt in list(self._paused.values()):
+                out += self._unpause(utt, now)
+            return out
+        target = self._paused.get(utterance_id) or self.utterance(utterance_id)
+        if target is None:
+            raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
+        if target.pause is None:
+            raise ProtocolError("not_paused", f"utterance {utterance_id!r} is not paused", utterance_id)
+        return self._unpause(target, now)
+
+    def held(self, utterance_id: str, packets: list[Packet], trailer: bool) -> list[Action]:
+        """What a `Hold` took back: the stream's packets after the fence, in order, and whether its
+        utterance.done was among them."""
+        utt = self._paused.get(utterance_id)
+        if utt is None or utt.pause is None:
+            return []
+        pause = utt.pause
+        pause.held[:0] = packets
+        pause.held_samples += sum(p.samples for p in packets)
+        pause.trailer = pause.trailer or trailer
+        return self._check_full(utt)
+
+    def _position(self, utt: Utterance, client_ms: int | None, now: float) -> tuple[int, PositionSource]:
+        report, since, start = utt.report, utt.first_sent_at, 0
+        clock = utt.clock
+        if clock is not None:  # unpaused: the listener went on from the paused position then
+            since, start = clock.at, clock.played_ms
+            if report is not None and report.at < clock.at:
+                report = None
+        return played_position(
+            client_ms=client_ms,
+            report=report,
+            first_sent_at=since,
+            sent_ms=utt.sent_ms,
+            now=now,
+            start_ms=start,
+        )
+
+    def _interrupt(
+        self,
+        utt: Utterance,
+        client_ms: int | None,
+        now: float,
+        heard_index: int | None = None,
+        given_source: PositionSource | None = None,
+    ) -> list[Action]:
         if utt.interrupted is not None:
             return [SendControl(utt.interrupted)]  # idempotent: the same answer again
         out: list[Action] = []
+        pause = utt.pause
+        self._end_pause(utt)
         if utt.status.active:
             if utt.opened:
                 out.append(CancelStream(utt.utterance_id))
             out.append(Purge(utt.stream))
-        played, source = played_position(
-            client_ms=client_ms,
-            report=utt.report,
-            first_sent_at=utt.first_sent_at,
-            sent_ms=utt.sent_ms,
-            now=now,
-        )
-        cut = cut_at(utt.words, utt.text, played)
+        source: PositionSource
+        if pause is not None and client_ms is None:  # the listener stopped where it paused
+            played, source, heard_index = pause.played_ms, pause.source, pause.heard_index
+        else:
+            played, source = self._position(utt, client_ms, now)
+            if given_source is not None and client_ms is not None:
+                source = given_source
+        cut = cut_at(utt.words, utt.text, played, heard_index)
         utt.cut = cut
         utt.interrupted = {
             "type": "utterance.interrupted",
@@ -533,8 +714,93 @@ class SessionProtocol:
         utt.status = Status.INTERRUPTED
         if was_active:
             self._retire(utt)
+        elif utt.utterance_id not in self._history:  # paused past its place in the history
+            self._remember(utt)
         out.append(SendControl(utt.interrupted))
         return out + self._maybe_finish_session()
+
+    def _pause(
+        self,
+        utt: Utterance,
+        client_ms: int | None,
+        now: float,
+        heard_index: int | None,
+        given_source: PositionSource | None,
+    ) -> list[Action]:
+        if utt.pause is not None:
+            return [SendControl(utt.pause.message)]  # idempotent: the same answer again
+        played, source = self._position(utt, client_ms, now)
+        if given_source is not None and client_ms is not None:
+            source = given_source
+        cut = cut_at(utt.words, utt.text, played, heard_index)
+        message: UtterancePaused = {
+            "type": "utterance.paused",
+            "utterance_id": utt.utterance_id,
+            "played_ms": played,
+            "position_source": source,
+            "last_word": cut.last_word.to_wire() if cut.last_word else None,
+            "partial_word": cut.partial_word.to_wire() if cut.partial_word else None,
+            "spoken_text": cut.spoken_text,
+            "unspoken_text": cut.unspoken_text,
+        }
+        deadline = now + self.pause_timeout_ms / 1000.0
+        utt.pause = Pause(message, played, source, heard_index, deadline)
+        self._paused[utt.utterance_id] = utt
+        return [Hold(utt.utterance_id, utt.stream), SendControl(message), WakeAt(deadline)]
+
+    def _unpause(self, utt: Utterance, now: float) -> list[Action]:
+        pause = utt.pause
+        assert pause is not None
+        self._end_pause(utt)
+        utt.clock = Report(pause.played_ms, now)
+        rate = utt.packetiser.format.sample_rate
+        out: list[Action] = [
+            SendControl({"type": "utterance.unpaused", "utterance_id": utt.utterance_id}),
+            Unhold(utt.stream, pause.played_ms * rate // 1000),
+        ]
+        if pause.held:
+            out.append(SendAudio(utt.stream, pause.held))
+        if pause.trailer:
+            out.append(self._trailer(utt))
+        if pause.throttled:
+            out.append(Throttle(utt.utterance_id, False))
+        segments, close = pause.withheld, pause.close_withheld
+        if segments or close:
+            out += self._give_text(utt, segments, close)
+        return out + self._maybe_finish_session()
+
+    def _keep(self, utt: Utterance, packets: list[Packet]) -> list[Action]:
+        """Packets made while paused: kept for the unpause."""
+        pause = utt.pause
+        assert pause is not None
+        pause.held += packets
+        pause.held_samples += sum(p.samples for p in packets)
+        return self._check_full(utt)
+
+    def _check_full(self, utt: Utterance) -> list[Action]:
+        pause = utt.pause
+        assert pause is not None
+        bound = self.config.pause_buffer_ms * utt.packetiser.format.sample_rate // 1000
+        if pause.throttled or pause.held_samples < bound:
+            return []
+        pause.throttled = True
+        return [Throttle(utt.utterance_id, True)]
+
+    def _give_text(self, utt: Utterance, segments: list[TextSegment], close: bool = False) -> list[Action]:
+        """Text for the engine, or for later while the utterance is paused with its buffer full."""
+        pause = utt.pause
+        if pause is not None and pause.throttled:
+            pause.withheld += segments
+            pause.close_withheld = pause.close_withheld or close
+            return []
+        out: list[Action] = [PushText(utt.utterance_id, s) for s in segments]
+        if close:
+            out.append(CloseText(utt.utterance_id))
+        return out
+
+    def _end_pause(self, utt: Utterance) -> None:
+        utt.pause = None
+        self._paused.pop(utt.utterance_id, None)
 
     def _resume(self, message: SpeakResume, now: float) -> list[Action]:
         uid, source_id = message.utterance_id, message.from_utterance
@@ -543,7 +809,7 @@ class SessionProtocol:
             raise ProtocolError("unknown_utterance", f"no utterance {source_id!r}", uid)
         if source.cut is None:
             raise ProtocolError("not_interrupted", f"utterance {source_id!r} was not interrupted", uid)
-        if uid in self._active or uid in self._history:
+        if uid in self._active or uid in self._history or uid in self._paused:
             raise ProtocolError("utterance_exists", f"utterance {uid!r} already exists", uid)
         offset = resume_offset(source.words, source.text, source.cut)
         text = source.text[offset:]
@@ -572,9 +838,8 @@ class SessionProtocol:
         out: list[Action] = []
         for utt in self._active.values():
             if utt.status is Status.OPEN:
-                out += [PushText(utt.utterance_id, s) for s in utt.segmenter.flush()]
                 utt.status = Status.TEXT_CLOSED
-                out.append(CloseText(utt.utterance_id))
+                out += self._give_text(utt, utt.segmenter.flush(), close=True)
         return out + self._maybe_finish_session()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -676,17 +941,21 @@ class SessionProtocol:
 
     def _generated(self, utt: Utterance) -> list[Action]:
         utt.status = Status.GENERATED
-        return [
-            SendTrailer(
-                utt.stream,
-                {
-                    "type": "utterance.done",
-                    "utterance_id": utt.utterance_id,
-                    "duration_ms": utt.packetiser.duration_ms,
-                    "packets": utt.packetiser.packets,
-                },
-            )
-        ]
+        if utt.pause is not None:
+            utt.pause.trailer = True  # behind the kept packets, at the unpause
+            return []
+        return [self._trailer(utt)]
+
+    def _trailer(self, utt: Utterance) -> SendTrailer:
+        return SendTrailer(
+            utt.stream,
+            {
+                "type": "utterance.done",
+                "utterance_id": utt.utterance_id,
+                "duration_ms": utt.packetiser.duration_ms,
+                "packets": utt.packetiser.packets,
+            },
+        )
 
     def _retire(self, utt: Utterance) -> None:
         """Move a finished utterance to the history, without the state only a live one needs."""
@@ -694,12 +963,15 @@ class SessionProtocol:
         utt.packetiser = _spent(utt.packetiser)
         self._active.pop(utt.utterance_id, None)
         self._streams.pop(utt.stream, None)
+        self._remember(utt)
+
+    def _remember(self, utt: Utterance) -> None:
         self._history[utt.utterance_id] = utt
         while len(self._history) > self.config.history_size:
             self._history.popitem(last=False)
 
     def _maybe_finish_session(self) -> list[Action]:
-        if not self.ending or self._active or self.closed:
+        if not self.ending or self._active or self._paused or self.closed:
             return []
         return [SendControl({"type": "session.ended"}), *self._close(CLOSE_NORMAL, "session ended")]
 

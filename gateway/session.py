@@ -48,6 +48,7 @@ from gateway.protocol import (
     CancelStream,
     Close,
     CloseText,
+    Hold,
     OpenStream,
     Purge,
     PushText,
@@ -55,6 +56,9 @@ from gateway.protocol import (
     SendControl,
     SendTrailer,
     SessionProtocol,
+    Throttle,
+    Unhold,
+    WakeAt,
 )
 from gateway.quotas import Quotas
 from gateway.stream_listener import StreamListener
@@ -224,6 +228,15 @@ class SendQueue:
         self._news()
         return before - len(self.audio)
 
+    def withdraw(self, stream: int) -> tuple[list[Packet], bool]:
+        """Take this stream's queued packets back, in order (a pause), and say whether its trailer
+        was queued too (it is dropped: the protocol sends it again later)."""
+        taken = [a for a in self.audio if a.stream == stream]
+        if taken:
+            self.purge(stream)
+        packets = [a for a in taken if isinstance(a, Packet)]
+        return packets, len(packets) < len(taken)
+
     def pop_audio(self) -> _AudioItem:
         item = self.audio.popleft()
         self.after_take()
@@ -292,6 +305,7 @@ class Session:
         self._pulls: dict[str, asyncio.Task[None]] = {}  # streams iterated by a task
         self._first_text_at: dict[str, float] = {}
         self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
+        self._throttled: dict[str, asyncio.Event] = {}  # iterated streams held back (set: go on)
         self._counted_active = 0
         self._idle = asyncio.Event()
         self._done = asyncio.Event()
@@ -575,6 +589,8 @@ class Session:
             async for chunk in stream:
                 if not writable.is_set():
                     await writable.wait()
+                if (gate := self._throttled.get(utterance_id)) is not None:
+                    await gate.wait()
                 self._take_chunk(utterance_id, chunk)
         except asyncio.CancelledError:
             raise
@@ -612,6 +628,9 @@ class Session:
             self._cancel_stream(utterance_id)
 
     def _cancel_stream(self, utterance_id: str) -> None:
+        gate = self._throttled.pop(utterance_id, None)
+        if gate is not None:
+            gate.set()
         listener = self._listeners.pop(utterance_id, None)
         if listener is not None:
             listener.close()
@@ -653,7 +672,34 @@ class Session:
                 self._first_text_at.pop(action.utterance_id, None)
             elif isinstance(action, Close):
                 self.queue.put_control(_CloseItem(action.code, action.reason))
+            elif isinstance(action, Hold | Unhold | Throttle | WakeAt):
+                pending.extendleft(reversed(self._pause_action(action)))
         self._count_active()
+
+    def _pause_action(self, action: Hold | Unhold | Throttle | WakeAt) -> list[Action]:
+        """speak.pause / unpause: the send lane, the pacing clock, the engine pull, the deadline."""
+        if isinstance(action, Hold):
+            packets, trailer = self.queue.withdraw(action.stream)
+            return self.protocol.held(action.utterance_id, packets, trailer)
+        if isinstance(action, Unhold):
+            if action.stream in self._stream_t0:  # paced: the listener is at played_samples now
+                rate = self.protocol.output.sample_rate
+                self._stream_t0[action.stream] = self._loop.time() - action.played_samples / rate
+        elif isinstance(action, Throttle):
+            listener = self._listeners.get(action.utterance_id)
+            if listener is not None:
+                listener.throttle(action.on)
+            elif action.on:
+                self._throttled.setdefault(action.utterance_id, asyncio.Event())
+            elif (gate := self._throttled.pop(action.utterance_id, None)) is not None:
+                gate.set()
+        else:
+            self._loop.call_at(action.at, self._wake)
+        return []
+
+    def _wake(self) -> None:
+        if not self._done.is_set():
+            self._execute(self.protocol.tick(self._loop.time()))
 
     def _open(self, action: OpenStream) -> list[Action]:
         try:

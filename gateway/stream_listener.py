@@ -1,9 +1,9 @@
 """One utterance's engine audio, handed to its session as it comes (engine.api.listen): no task,
 no future and no coroutine switch per chunk, where iterating the stream took all three.
 
-The engine never waits for a client. While the session's audio lane is full, chunks wait here in
-the order they came, and a task feeds them on as the lane makes room (what the iterating task's
-wait did before)."""
+The engine never waits for a client. While the session's audio lane is full, or while the
+utterance is throttled (paused with its buffer full), chunks wait here in the order they came,
+and a task feeds them on as the lane makes room (what the iterating task's wait did before)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class StreamListener:
     `ended` or `failed` is called, unless `close()` came first. `room` is set while the session's
     audio lane takes more. An exception while taking a chunk fails this utterance alone."""
 
-    __slots__ = ("_take", "_ended", "_failed", "_room", "_held", "_feeder", "closed")
+    __slots__ = ("_take", "_ended", "_failed", "_room", "_held", "_feeder", "_unthrottled", "closed")
 
     def __init__(
         self,
@@ -37,11 +37,12 @@ class StreamListener:
         self._room = room
         self._held: deque[_Item] | None = None  # items waiting for room, in order
         self._feeder: asyncio.Task[None] | None = None
+        self._unthrottled: asyncio.Event | None = None  # None: not throttled
         self.closed = False
 
     # -- engine.api.ChunkListener --------------------------------------------------------------
     def chunk(self, chunk: AudioChunk) -> None:
-        if self._held is None and not self.closed and self._room.is_set():  # the common case, inlined
+        if self._held is None and not self.closed and self._unthrottled is None and self._room.is_set():
             try:
                 self._take(chunk)
             except Exception as exc:
@@ -56,6 +57,16 @@ class StreamListener:
         self._on(error)
 
     # -- the session's side --------------------------------------------------------------------
+    def throttle(self, on: bool) -> None:
+        """Hold every item back (`on`) until throttled off; they keep their order."""
+        if on:
+            if self._unthrottled is None:
+                self._unthrottled = asyncio.Event()
+            return
+        gate, self._unthrottled = self._unthrottled, None
+        if gate is not None:
+            gate.set()
+
     def close(self) -> None:
         """Nothing more reaches the session (a cancel, or the session's end)."""
         self.closed = True
@@ -67,7 +78,7 @@ class StreamListener:
     def _on(self, item: _Item) -> None:
         if self.closed:
             return
-        if self._held is not None or not self._room.is_set():
+        if self._held is not None or self._unthrottled is not None or not self._room.is_set():
             if self._held is None:
                 self._held = deque()
                 self._feeder = asyncio.get_running_loop().create_task(self._feed())
@@ -97,6 +108,9 @@ class StreamListener:
     async def _feed(self) -> None:
         held = self._held
         while held and not self.closed:
+            if (gate := self._unthrottled) is not None:
+                await gate.wait()
+                continue
             if not self._room.is_set():
                 await self._room.wait()
                 continue

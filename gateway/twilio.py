@@ -10,7 +10,13 @@ and are ignored.
 
 Barge-in comes from the caller (an energy VAD on the inbound audio, with a threshold, an attack
 and a hang time) or from the agent (`speak.cancel`). The agent speaks with the `/v1/stream`
-vocabulary (session.start, speak.append / flush / end / cancel) and hears back the call's events.
+vocabulary (session.start, speak.append / flush / end / cancel / pause / unpause) and hears back
+the call's events.
+
+The call's utterances live in the same sans-I/O `SessionProtocol` as a `/v1/stream` session: the
+marks that come back are its playback reports, `clear` is its fence, and after a pause that
+cleared Twilio's buffer the audio from the fence on is handed back to it, to be sent again at the
+unpause.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ import numpy.typing as npt
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisRequest, SynthesisStream, float_samples
+from engine.api import Engine, EngineError, SynthesisStream
 from gateway.config import GatewayConfig
-from gateway.errors import error_code, public_message
 from gateway.messages import (
+    PacketHeader,
+    PlaybackReport,
     ProtocolError,
     SessionEnd,
     SessionStart,
@@ -43,18 +50,34 @@ from gateway.messages import (
     SpeakCancel,
     SpeakEnd,
     SpeakFlush,
-    Word,
+    SpeakPause,
+    SpeakUnpause,
     decode,
     encode,
 )
-from gateway.packets import OutputFormat, Packet, Packetiser, mulaw_decode
-from gateway.segmenter import Segmenter
+from gateway.packets import Packet, mulaw_decode
+from gateway.protocol import (
+    Action,
+    CancelStream,
+    CloseText,
+    Hold,
+    OpenStream,
+    Purge,
+    PushText,
+    SendAudio,
+    SendControl,
+    SendTrailer,
+    SessionProtocol,
+    Throttle,
+    WakeAt,
+)
 from gateway.webhooks import WebhookSender, interruption_payload
 
 log = logging.getLogger("cadence.twilio")
 
 RATE: Final = 8000
 FRAME_MS: Final = 20
+FRAME_SAMPLES: Final = RATE * FRAME_MS // 1000
 CLOSE_POLICY: Final = 1008
 BargeInBy = Literal["caller", "agent"]
 
@@ -144,33 +167,43 @@ class EnergyVad:
 # -- one utterance on the phone line ----------------------------------------------------------
 
 
+class _Done:
+    """utterance.done in a line's queue, behind its last frame."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: Mapping[str, Any]) -> None:
+        self.message = message
+
+
 @dataclass(eq=False, slots=True)
 class PhoneUtterance:
+    """What the line knows of one utterance; its life (text, words, pause, barge-in) is the
+    session protocol's."""
+
     utterance_id: str
-    request: SynthesisRequest
-    segmenter: Segmenter
-    packetiser: Packetiser
-    engine_rate: int
-    text: str = ""
-    stream: SynthesisStream | None = None
+    stream: int
+    engine_stream: SynthesisStream
     pull: asyncio.Task[None] | None = None
-    words: list[Word] = field(default_factory=list)
+    gate: asyncio.Event | None = None  # while throttled: the engine's chunks wait for it
+    queue: deque[Packet | _Done] = field(default_factory=deque)  # for Twilio, in order
+    sent: deque[Packet] = field(default_factory=deque)  # sent, not yet known to be heard
     word_ends: list[int] = field(default_factory=list)  # each word's end, in 8 kHz samples
-    packets: deque[Packet] = field(default_factory=deque)
-    text_closed: bool = False
-    generated: bool = False  # the last packet is made
-    all_sent: bool = False  # the last packet and the end mark are sent
-    state: Literal["active", "played", "interrupted", "failed"] = "active"
-    sent_samples: int = 0
     next_mark: int = 0  # the next word to mark
+    on_line: bool = False  # audio of it is in Twilio's buffer (sent since the last clear)
+    all_sent: bool = False  # the last frame and the end mark are sent
+    state: Literal["active", "played", "interrupted", "failed"] = "active"
+    paused: bool = False
+    fence: int | None = None  # a pause that cleared Twilio's buffer: audio from here is sent again
+    by: BargeInBy = "agent"  # who stopped it last
     heard_index: int = -1  # the last word whose mark came back before any clear
-    heard_samples: int = 0  # where that mark sat (8 kHz samples)
-    heard_at: float | None = None
-    first_sent_at: float | None = None
-    report: dict[str, Any] | None = None
+    anchor: tuple[int, float] | None = None  # the caller was at this 8 kHz sample then, and plays on
+    resume_from: int = 0  # where playing starts (again, after a pause)
+    sent_samples: int = 0  # the end of the last frame sent
+    report: dict[str, Any] | None = None  # its utterance.interrupted, as the agent got it
 
     @property
-    def active(self) -> bool:
+    def live(self) -> bool:
         return self.state == "active"
 
 
@@ -185,12 +218,24 @@ class _Mark:
     position: int  # 8 kHz samples of the utterance played when it comes back
 
 
+def _from(packet: Packet, sample: int) -> Packet:
+    """`packet` from `sample` of the utterance's timeline on (8 kHz μ-law: a byte a sample)."""
+    cut = sample - packet.sample_offset
+    if cut <= 0:
+        return packet
+    header = PacketHeader(packet.stream, packet.seq, sample, packet.flags)
+    return Packet(header, packet.payload[cut:], packet.samples - cut)
+
+
 # -- the call ---------------------------------------------------------------------------------
 
 
 class Call:
     """One phone call: the Twilio socket, the agent's socket (either may come first) and the
-    utterances being spoken on the line, in order."""
+    utterances being spoken on the line, in order. The agent's messages, the engine's audio and
+    the echoed marks go through a `SessionProtocol` (the one of `/v1/stream`); this class is its
+    I/O: it plays one utterance after the other, sends marks and `clear`, and maps the
+    protocol's answers onto the control channel's messages."""
 
     def __init__(
         self,
@@ -206,24 +251,31 @@ class Call:
         self.options = options
         self.webhooks = webhooks
         self.loop = asyncio.get_running_loop()
+        line_config = replace(
+            config,
+            default_encoding="mulaw",
+            default_sample_rate=RATE,
+            default_packet_ms=FRAME_MS,
+            idle_timeout_s=math.inf,  # the call lasts as long as Twilio's stream
+            history_size=max(config.history_size, 64),  # a line plays long after the audio is made
+        )
+        self.protocol = SessionProtocol(f"twilio/{call_sid}", engine.info, line_config, now=self.loop.time())
+        self.protocol.started = True  # the control channel has no session.started
         self.stream_sid: str | None = None
         self.start_info: dict[str, Any] = {}
         self.twilio: WebSocket | None = None
         self.agent: AgentSink | None = None
         self.ended = False
         self.end_reason: str | None = None
-        self.voice: str | None = None
-        self.language = "Auto"
-        self.instructions: str | None = None
         self.webhook_url: str | None = None
-        self.utterances: dict[str, PhoneUtterance] = {}
+        self.utterances: dict[str, PhoneUtterance] = {}  # in the order they were opened
+        self._streams: dict[int, PhoneUtterance] = {}
         self.vad = EnergyVad(options.vad_threshold_dbfs, options.vad_attack_ms, options.vad_hang_ms)
         self._marks: dict[str, _Mark] = {}  # sent, not yet back, not voided by a clear
         self._to_twilio: deque[dict[str, Any]] = deque()  # control (clear), ahead of media
         self._to_agent: asyncio.Queue[str | None] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._done = asyncio.Event()
-        self.sequence = 0
 
     # -- the Twilio side ----------------------------------------------------------------------
     def on_start(self, message: Mapping[str, Any]) -> None:
@@ -235,8 +287,8 @@ class Call:
         self.vad = EnergyVad(
             self.options.vad_threshold_dbfs, self.options.vad_attack_ms, self.options.vad_hang_ms
         )
-        self.voice = params.get("voice") or self.voice
-        self.language = params.get("language") or self.language
+        self.protocol.voice = params.get("voice") or self.protocol.voice
+        self.protocol.language = params.get("language") or self.protocol.language
         url = params.get("webhook_url")
         if isinstance(url, str) and url.startswith(("http://", "https://")):
             self.webhook_url = url
@@ -275,22 +327,28 @@ class Call:
         change = self.vad.feed(mulaw_decode(codes))
         if change == "start":
             self.to_agent({"type": "speech.started"})
-            if self.options.barge_in_on_speech and any(u.active for u in self.utterances.values()):
+            if self.options.barge_in_on_speech and any(u.live for u in self.utterances.values()):
                 self.interrupt(None, "caller", now)
         elif change == "stop":
             self.to_agent({"type": "speech.stopped"})
 
     def _on_mark(self, name: str, now: float) -> None:
+        """A mark came back: a playback report (the audio before it has been heard)."""
         mark = self._marks.pop(name, None)
         if mark is None:
             return  # voided by a clear, or not ours
-        utt = mark.utterance
-        utt.heard_samples, utt.heard_at = mark.position, now
+        line = mark.utterance
+        line.anchor = (mark.position, now)
+        while line.sent and line.sent[0].end_sample < mark.position - FRAME_SAMPLES:
+            line.sent.popleft()  # heard: never sent again (a frame kept for a fence just before)
         if mark.index is not None:
-            utt.heard_index = max(utt.heard_index, mark.index)
-        elif utt.active:
-            utt.state = "played"
-            self.to_agent({"type": "utterance.played", "utterance_id": utt.utterance_id})
+            line.heard_index = max(line.heard_index, mark.index)
+        elif line.live:
+            line.state, line.on_line = "played", False
+            self.to_agent({"type": "utterance.played", "utterance_id": line.utterance_id})
+        if self.protocol.utterance(line.utterance_id) is not None:
+            report = PlaybackReport(line.utterance_id, mark.position * 1000 // RATE)
+            self._run(self.protocol.receive_message(report, now))
 
     async def write_twilio(self, websocket: WebSocket) -> None:
         """The one writer of the Twilio socket: clears first, then the utterances' media in order."""
@@ -301,14 +359,23 @@ class Call:
             if self._to_twilio:
                 await websocket.send_text(encode(self._to_twilio.popleft()))
                 continue
-            utt = self._playing()
-            if utt is None or not utt.packets:
+            line = self._playing()
+            if line is None or not line.queue:
                 await self._sleep()
                 continue
-            packet = utt.packets.popleft()
-            await websocket.send_text(encode(self._twilio_message("media", payload=packet.payload)))
-            if utt.active and not self._to_twilio:
-                for message in self._after_packet(utt, packet):
+            item = line.queue.popleft()
+            if isinstance(item, _Done):
+                done = {k: item.message[k] for k in ("type", "utterance_id", "duration_ms")}
+                self.to_agent(done)
+                self._run(self.protocol.trailer_sent(line.stream))
+                continue
+            line.sent.append(item)  # before the send: a pause meanwhile sends it again
+            line.on_line = True
+            await websocket.send_text(encode(self._twilio_message("media", payload=item.payload)))
+            now = self.loop.time()
+            self._run(self.protocol.packet_sent(line.stream, item, now))
+            if line.live and not line.paused and not self._to_twilio:
+                for message in self._after_packet(line, item, now):
                     await websocket.send_text(encode(message))
 
     async def _sleep(self) -> None:
@@ -316,10 +383,11 @@ class Call:
         await self._wake.wait()
 
     def _playing(self) -> PhoneUtterance | None:
-        """The utterance whose audio goes on the line now: the first active one not fully sent."""
-        for utt in self.utterances.values():
-            if utt.active and not utt.all_sent:
-                return utt
+        """The utterance whose audio goes on the line now: the first live one not fully sent (none
+        while that one is paused: the others wait behind it)."""
+        for line in self.utterances.values():
+            if line.live and (not line.all_sent or line.queue):  # (its utterance.done may wait)
+                return None if line.paused else line
         return None
 
     def _twilio_message(
@@ -332,106 +400,139 @@ class Call:
             message["mark"] = {"name": name}
         return message
 
-    def _after_packet(self, utt: PhoneUtterance, packet: Packet) -> list[dict[str, Any]]:
+    def _after_packet(self, line: PhoneUtterance, packet: Packet, now: float) -> list[dict[str, Any]]:
         """Bookkeeping after a media frame went out; the marks that follow it."""
-        if utt.first_sent_at is None:
-            utt.first_sent_at = self.loop.time()
-        utt.sent_samples = packet.end_sample
+        if line.anchor is None:
+            line.anchor = (line.resume_from, now)
+        line.sent_samples = packet.end_sample
         out = []
-        while utt.next_mark < len(utt.words) and (
-            packet.last or utt.word_ends[utt.next_mark] <= packet.end_sample
+        while line.next_mark < len(line.word_ends) and (
+            packet.last or line.word_ends[line.next_mark] <= packet.end_sample
         ):
-            out.append(self._mark(utt, utt.next_mark, packet.end_sample))
-            utt.next_mark += 1
+            out.append(self._mark(line, line.next_mark, packet.end_sample))
+            line.next_mark += 1
         if packet.last:
-            out.append(self._mark(utt, None, packet.end_sample))
-            utt.all_sent = True
-            self.to_agent(
-                {
-                    "type": "utterance.done",
-                    "utterance_id": utt.utterance_id,
-                    "duration_ms": utt.packetiser.duration_ms,
-                }
-            )
+            out.append(self._mark(line, None, packet.end_sample))
+            line.all_sent = True
         return out
 
-    def _mark(self, utt: PhoneUtterance, index: int | None, position: int) -> dict[str, Any]:
-        name = mark_name(utt.utterance_id, index)
-        self._marks[name] = _Mark(utt, index, position)
+    def _mark(self, line: PhoneUtterance, index: int | None, position: int) -> dict[str, Any]:
+        name = mark_name(line.utterance_id, index)
+        self._marks[name] = _Mark(line, index, position)
         return self._twilio_message("mark", name=name)
 
-    # -- barge-in -----------------------------------------------------------------------------
+    # -- barge-in and pause ---------------------------------------------------------------------
     def interrupt(self, utterance_id: str | None, by: BargeInBy, now: float) -> None:
-        """Stop `utterance_id` (None: every active one); clear Twilio's buffer when it holds audio
+        """Stop `utterance_id` (None: every live one); clear Twilio's buffer when it holds audio
         of it (which stops every utterance with audio there) and report what was heard."""
-        active = [u for u in self.utterances.values() if u.active]
+        live = [u for u in self.utterances.values() if u.live]
         if utterance_id is None:
-            targets = active
+            targets = live
         else:
-            target = self.utterances.get(utterance_id)
-            if target is None:
-                raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
-            if not target.active:
+            target = self._line(utterance_id)
+            if not target.live:
                 if target.report is not None:
-                    self.to_agent(target.report)
+                    self.to_agent(target.report)  # the same report again (and no second webhook)
                 return
             targets = [target]
-        buffered = [u for u in active if u.sent_samples > 0]
-        if any(u.sent_samples > 0 for u in targets):
-            targets = list(dict.fromkeys(targets + buffered))
-            self._to_twilio.append(self._twilio_message("clear"))
-        reports = [self._report(u, by, now) for u in targets]  # from marks back before this clear
-        voided = {u.utterance_id for u in targets}
-        self._marks = {k: m for k, m in self._marks.items() if m.utterance.utterance_id not in voided}
-        for utt, report in zip(targets, reports, strict=True):
-            self._stop(utt, "interrupted")
-            utt.report = report
-            self.to_agent(report)
-            if self.webhook_url is not None:
-                payload = interruption_payload(report, self.call_sid, call_sid=self.call_sid)
-                self.webhooks.submit(self.webhook_url, "utterance.interrupted", payload)
+        for line, (played_ms, heard) in self._stop_listening(targets, live, now):
+            line.by = by
+            self._stop_one(self.protocol.cancel, line, now, played_ms, heard)
         self._wake.set()
 
-    def _report(self, utt: PhoneUtterance, by: BargeInBy, now: float) -> dict[str, Any]:
-        played = self._played_samples(utt, now)
-        played_ms = played * 1000 // RATE
-        last = utt.words[utt.heard_index] if utt.heard_index >= 0 else None
-        partial = next(
-            (w for w in utt.words[utt.heard_index + 1 :] if w.start_ms <= played_ms < w.end_ms), None
-        )
-        split = last.char_end if last is not None else 0
-        return {
-            "type": "utterance.interrupted",
-            "utterance_id": utt.utterance_id,
-            "played_ms": played_ms,
-            "position_source": "marks",
-            "last_word": last.to_wire() if last else None,
-            "partial_word": partial.to_wire() if partial else None,
-            "spoken_text": utt.text[:split],
-            "unspoken_text": utt.text[split:],
-            "by": by,
-        }
+    def pause(self, utterance_id: str | None, by: BargeInBy, now: float) -> None:
+        """Pause `utterance_id` (None: every live one); as `interrupt`, a `clear` pauses every
+        utterance with audio in Twilio's buffer. What the caller did not hear is sent again at the
+        unpause."""
+        live = [u for u in self.utterances.values() if u.live]
+        if utterance_id is None:
+            targets = [u for u in live if not u.paused]
+        else:
+            target = self._line(utterance_id)
+            if not target.live:
+                raise ProtocolError("utterance_closed", f"utterance {utterance_id!r} has ended", utterance_id)
+            if target.paused:
+                self._run(self.protocol.pause(utterance_id, now))  # the same answer again
+                return
+            targets = [target]
+        for line, (played_ms, heard) in self._stop_listening(targets, live, now):
+            line.by = by
+            self._stop_one(self.protocol.pause, line, now, played_ms, heard)
+        self._wake.set()
 
-    def _played_samples(self, utt: PhoneUtterance, now: float) -> int:
+    def _stop_one(
+        self,
+        stop: Callable[..., list[Action]],
+        line: PhoneUtterance,
+        now: float,
+        played_ms: int | None,
+        heard: int | None,
+    ) -> None:
+        """One utterance's part of a barge-in or pause (`protocol.cancel` / `protocol.pause`): a
+        refusal (an utterance the protocol no longer knows) goes to the agent, the others go on."""
+        try:
+            actions = stop(line.utterance_id, now, played_ms=played_ms, heard_index=heard, source="marks")
+        except ProtocolError as exc:
+            self._error(exc.code, exc.message, exc.utterance_id)
+            return
+        self._run(actions)
+
+    def _line(self, utterance_id: str) -> PhoneUtterance:
+        line = self.utterances.get(utterance_id)
+        if line is None:
+            raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
+        return line
+
+    def _stop_listening(
+        self, targets: list[PhoneUtterance], live: list[PhoneUtterance], now: float
+    ) -> list[tuple[PhoneUtterance, tuple[int | None, int | None]]]:
+        """Where the caller is in each target, from the marks back before the `clear` that this
+        sends when a target has audio in Twilio's buffer (the other utterances there join the
+        targets: clear empties the whole buffer). A paused one's position is the protocol's."""
+        clear = any(u.on_line for u in targets)
+        if clear:
+            targets = list(dict.fromkeys(targets + [u for u in live if u.on_line]))
+        positions: list[tuple[int | None, int | None]] = []
+        for line in targets:
+            if line.paused:
+                positions.append((None, None))
+                continue
+            played_ms = self._played_samples(line, now) * 1000 // RATE
+            positions.append((played_ms, line.heard_index))
+            line.fence = played_ms * RATE // 1000 if line.on_line else None
+        if clear:
+            self._to_twilio.append(self._twilio_message("clear"))
+            cleared = {u for u in targets if u.on_line}
+            self._marks = {k: m for k, m in self._marks.items() if m.utterance not in cleared}
+            for line in cleared:
+                line.on_line = False
+        return list(zip(targets, positions, strict=True))
+
+    def _played_samples(self, line: PhoneUtterance, now: float) -> int:
         """Between the last mark back and the next one out: extrapolated at real time from the
         last mark's return (or from the first frame sent), capped at the next mark's place."""
-        if utt.first_sent_at is None:
-            return 0
-        base, since = (
-            (utt.heard_samples, utt.heard_at) if utt.heard_at is not None else (0, utt.first_sent_at)
-        )
-        cap = min([m.position for m in self._marks.values() if m.utterance is utt] + [utt.sent_samples])
+        if line.anchor is None:
+            return line.resume_from
+        base, since = line.anchor
+        cap = min([m.position for m in self._marks.values() if m.utterance is line] + [line.sent_samples])
         estimate = base + int(max(0.0, now - since) * RATE)
         return max(base, min(estimate, cap))
 
-    def _stop(self, utt: PhoneUtterance, state: Literal["interrupted", "failed", "played"]) -> None:
-        utt.state = state
-        utt.packets.clear()
-        if utt.stream is not None:
-            with contextlib.suppress(Exception):
-                utt.stream.cancel()
-        if utt.pull is not None and utt.pull is not asyncio.current_task():
-            utt.pull.cancel()
+    def _stop(self, line: PhoneUtterance, state: Literal["interrupted", "failed"]) -> None:
+        line.state = state
+        line.queue.clear()
+        line.sent.clear()
+        line.on_line = False
+        self._marks = {k: m for k, m in self._marks.items() if m.utterance is not line}
+        self._end_engine(line)
+
+    def _end_engine(self, line: PhoneUtterance) -> None:
+        with contextlib.suppress(Exception):
+            line.engine_stream.cancel()
+        if line.gate is not None:
+            line.gate.set()
+        if line.pull is not None and line.pull is not asyncio.current_task():
+            line.pull.cancel()
 
     # -- the agent side -----------------------------------------------------------------------
     def to_agent(self, message: Mapping[str, Any]) -> None:
@@ -459,17 +560,20 @@ class Call:
     def on_agent(self, frame: str) -> None:
         try:
             message = decode(frame)
+            now = self.loop.time()
             if isinstance(message, SessionStart):
-                self.voice = message.voice or self.voice
-                self.language = message.language or self.language
-                self.instructions = message.instructions or self.instructions
+                self.protocol.voice = message.voice or self.protocol.voice
+                self.protocol.language = message.language or self.protocol.language
+                self.protocol.instructions = message.instructions or self.protocol.instructions
                 self.webhook_url = message.webhook_url or self.webhook_url
-            elif isinstance(message, SpeakAppend):
-                self._append(message)
-            elif isinstance(message, SpeakFlush | SpeakEnd):
-                self._flush(message.utterance_id, close=isinstance(message, SpeakEnd))
+                if message.pause_timeout_ms is not None:
+                    self.protocol.pause_timeout_ms = message.pause_timeout_ms
+            elif isinstance(message, SpeakAppend | SpeakFlush | SpeakEnd | SpeakUnpause):
+                self._run(self.protocol.receive_message(message, now))
             elif isinstance(message, SpeakCancel):
-                self.interrupt(message.utterance_id, "agent", self.loop.time())
+                self.interrupt(message.utterance_id, "agent", now)
+            elif isinstance(message, SpeakPause):
+                self.pause(message.utterance_id, "agent", now)
             elif isinstance(message, SessionEnd):
                 self.detach_agent()
             else:
@@ -485,126 +589,162 @@ class Call:
             error["utterance_id"] = utterance_id
         self.to_agent(error)
 
-    def _append(self, message: SpeakAppend) -> None:
-        uid = message.utterance_id
-        utt = self.utterances.get(uid)
-        if utt is None:
-            if sum(u.active for u in self.utterances.values()) >= self.config.max_open_utterances:
-                raise ProtocolError("too_many_utterances", "too many utterances waiting on this call", uid)
-            utt = self._open(uid)
-            if utt is None:
-                return
-        elif not utt.active or utt.text_closed:
-            raise ProtocolError("utterance_closed", f"utterance {uid!r} takes no more text", uid)
-        if len(utt.text) + len(message.text) > self.config.max_text_chars:
-            raise ProtocolError("text_too_long", f"at most {self.config.max_text_chars} characters", uid)
-        utt.text += message.text
-        segments = utt.segmenter.feed(message.text) + (utt.segmenter.flush() if message.flush else [])
-        self._push(utt, segments)
+    # -- the protocol's actions -----------------------------------------------------------------
+    def _run(self, actions: list[Action]) -> None:
+        pending = deque(actions)
+        while pending:
+            action = pending.popleft()
+            if isinstance(action, SendAudio):
+                line = self._streams.get(action.stream)
+                if line is not None and line.live:
+                    line.queue.extend(action.packets)
+                    self._wake.set()
+            elif isinstance(action, SendControl):
+                self._to_agent_from_protocol(action.message)
+            elif isinstance(action, SendTrailer):
+                line = self._streams.get(action.stream)
+                if line is not None and line.live:
+                    line.queue.append(_Done(action.message))
+                    self._wake.set()
+            elif isinstance(action, Purge):
+                line = self._streams.get(action.stream)
+                if line is not None:
+                    line.queue.clear()
+            elif isinstance(action, OpenStream):
+                pending.extendleft(reversed(self._open(action)))
+            elif isinstance(action, PushText):
+                pending.extendleft(reversed(self._push(action)))
+            elif isinstance(action, CloseText):
+                line = self.utterances.get(action.utterance_id)
+                if line is not None:
+                    with contextlib.suppress(Exception):
+                        line.engine_stream.close_text()
+            elif isinstance(action, CancelStream):
+                line = self.utterances.get(action.utterance_id)
+                if line is not None:
+                    self._end_engine(line)
+            elif isinstance(action, Hold):
+                pending.extendleft(reversed(self._hold(action)))
+            elif isinstance(action, Throttle):
+                self._throttle(action)
+            elif isinstance(action, WakeAt):
+                self.loop.call_at(action.at, self._tick)
+            # Unhold: the line is not paced; Close: the call lasts as long as Twilio's stream
 
-    def _flush(self, uid: str, close: bool) -> None:
-        utt = self.utterances.get(uid)
-        if utt is None:
-            raise ProtocolError("unknown_utterance", f"no utterance {uid!r}", uid)
-        if not utt.active or utt.text_closed:
+    def _to_agent_from_protocol(self, message: Mapping[str, Any]) -> None:
+        kind = message["type"]
+        line = self.utterances.get(str(message.get("utterance_id", "")))
+        if kind == "utterance.started":
+            self.to_agent({"type": kind, "utterance_id": message["utterance_id"]})
+        elif kind == "words":
+            if line is not None:
+                line.word_ends += [w["end_ms"] * RATE // 1000 for w in message["words"]]
+            self.to_agent(message)
+        elif kind == "utterance.interrupted":
+            report = {**message, "by": line.by if line is not None else "agent"}
+            if line is not None:
+                line.report = report
+                self._stop(line, "interrupted")
+            self.to_agent(report)
+            if self.webhook_url is not None:
+                payload = interruption_payload(report, self.call_sid, call_sid=self.call_sid)
+                self.webhooks.submit(self.webhook_url, "utterance.interrupted", payload)
+        elif kind == "utterance.paused":
+            if line is not None:
+                line.paused = True
+            self.to_agent({**message, "by": line.by if line is not None else "agent"})
+        elif kind == "utterance.unpaused":
+            if line is not None:
+                line.paused, line.fence = False, None
+                self._wake.set()
+            self.to_agent(message)
+        elif kind == "error":
+            self.to_agent(message)
+
+    def _hold(self, action: Hold) -> list[Action]:
+        """A pause: the line's queued frames, and after a clear the frames sent from the fence on,
+        go back to the protocol (the end mark and utterance.done with them)."""
+        line = self.utterances.get(action.utterance_id)
+        if line is None:
+            return []
+        packets: list[Packet] = []
+        if line.fence is not None:  # Twilio's buffer was emptied: from the fence on, again
+            packets = [_from(p, line.fence) for p in line.sent if p.end_sample > line.fence]
+            line.resume_from = line.fence
+            line.next_mark = line.heard_index + 1
+            line.all_sent = False
+        queued = list(line.queue)
+        packets += [p for p in queued if isinstance(p, Packet)]
+        trailer = any(isinstance(p, _Done) for p in queued)
+        line.queue.clear()
+        line.sent.clear()
+        line.anchor = None if line.fence is not None else line.anchor
+        line.paused = True
+        return self.protocol.held(action.utterance_id, packets, trailer)
+
+    def _throttle(self, action: Throttle) -> None:
+        line = self.utterances.get(action.utterance_id)
+        if line is None:
             return
-        self._push(utt, utt.segmenter.flush())
-        if close and utt.stream is not None:
-            utt.text_closed = True
-            utt.stream.close_text()
+        if action.on:
+            if line.gate is None:
+                line.gate = asyncio.Event()
+        elif line.gate is not None:
+            line.gate.set()
+            line.gate = None
 
-    def _open(self, uid: str) -> PhoneUtterance | None:
-        request = SynthesisRequest(
-            request_id=f"twilio/{self.call_sid}/{uid}",
-            voice=self.voice,
-            language=self.language,
-            instructions=self.instructions,
-        )
-        rate = self.engine.info.sample_rate
-        utt = PhoneUtterance(
-            uid,
-            request,
-            Segmenter(self.config.segment_max_chars, self.config.segment_clause_min_chars),
-            Packetiser(0, OutputFormat("mulaw", RATE, FRAME_MS), rate),
-            rate,
-        )
+    def _tick(self) -> None:
+        if not self.ended:
+            self._run(self.protocol.tick(self.loop.time()))
+            self._wake.set()
+
+    # -- engine audio -------------------------------------------------------------------------
+    def _open(self, action: OpenStream) -> list[Action]:
+        uid = action.utterance_id
         try:
-            utt.stream = self.engine.open(request)
+            engine_stream = self.engine.open(action.request)
         except Exception as exc:
             if not isinstance(exc, EngineError):
                 log.exception("engine.open failed")
-            self._error(error_code(exc), public_message(exc), uid)
-            return None
-        self.utterances[uid] = utt
-        utt.pull = self.loop.create_task(self._pull(utt))
-        self.to_agent({"type": "utterance.started", "utterance_id": uid})
-        return utt
+            return self.protocol.open_failed(uid, exc)
+        utt = self.protocol.utterance(uid)
+        assert utt is not None
+        line = PhoneUtterance(uid, utt.stream, engine_stream)
+        self.utterances.pop(uid, None)  # an id used again goes to the end of the line
+        self.utterances[uid] = line
+        self._streams[utt.stream] = line
+        line.pull = self.loop.create_task(self._pull(line))
+        return self.protocol.open_succeeded(uid)
 
-    def _push(self, utt: PhoneUtterance, segments: list[Any]) -> None:
-        if utt.stream is None:
-            return
-        for segment in segments:
-            try:
-                utt.stream.push(segment)
-            except Exception as exc:
-                self._fail(utt, exc)
-                return
-
-    # -- engine audio -------------------------------------------------------------------------
-    async def _pull(self, utt: PhoneUtterance) -> None:
-        assert utt.stream is not None
+    def _push(self, action: PushText) -> list[Action]:
+        line = self.utterances.get(action.utterance_id)
+        if line is None or not line.live:
+            return []
         try:
-            async for chunk in utt.stream:
-                if not utt.active:
+            line.engine_stream.push(action.segment)
+        except Exception as exc:
+            self._stop(line, "failed")
+            return self.protocol.stream_failed(action.utterance_id, exc)
+        return []
+
+    async def _pull(self, line: PhoneUtterance) -> None:
+        uid = line.utterance_id
+        try:
+            async for chunk in line.engine_stream:
+                if line.gate is not None:
+                    await line.gate.wait()
+                if not line.live:
                     return
-                self._take_chunk(utt, chunk)
-            if utt.active and not utt.generated:
-                self._add_packets(utt, utt.packetiser.push(np.zeros(0, np.float32), final=True))
+                self._run(self.protocol.receive_chunk(uid, chunk))
+            self._run(self.protocol.stream_ended(uid))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             if not isinstance(exc, EngineError):
-                log.exception("engine stream of %s failed", utt.utterance_id)
-            self._fail(utt, exc)
-
-    def _take_chunk(self, utt: PhoneUtterance, chunk: AudioChunk) -> None:
-        new_words = []
-        for timing in chunk.words:
-            word = Word(
-                len(utt.words),
-                timing.text,
-                round(timing.start_sample * 1000 / utt.engine_rate),
-                round(timing.end_sample * 1000 / utt.engine_rate),
-                timing.char_start,
-                timing.char_end,
-            )
-            utt.words.append(word)
-            utt.word_ends.append(timing.end_sample * RATE // utt.engine_rate)
-            new_words.append(word.to_wire())
-        if new_words:
-            self.to_agent(
-                {
-                    "type": "words",
-                    "utterance_id": utt.utterance_id,
-                    "source": chunk.words[0].source,
-                    "words": new_words,
-                }
-            )
-        samples = float_samples(chunk.samples)
-        self._add_packets(utt, utt.packetiser.push(samples, final=chunk.final))
-
-    def _add_packets(self, utt: PhoneUtterance, packets: list[Packet]) -> None:
-        utt.packets.extend(packets)
-        if packets and packets[-1].last:
-            utt.generated = True
-        self._wake.set()
-
-    def _fail(self, utt: PhoneUtterance, exc: BaseException) -> None:
-        if not utt.active:
-            return
-        self._stop(utt, "failed")
-        self._error(error_code(exc), public_message(exc), utt.utterance_id)
-        self._wake.set()
+                log.exception("engine stream of %s failed", uid)
+            if line.live:
+                self._stop(line, "failed")
+                self._run(self.protocol.stream_failed(uid, exc))
 
     # -- the end ------------------------------------------------------------------------------
     def end(self, reason: str) -> None:
@@ -612,9 +752,10 @@ class Call:
             return
         self.ended = True
         self.end_reason = reason
-        for utt in self.utterances.values():
-            if utt.active:
-                self._stop(utt, "failed")
+        for line in self.utterances.values():
+            if line.live:
+                self._stop(line, "failed")
+        self._run(self.protocol.abort())
         self.to_agent({"type": "call.ended", "call_sid": self.call_sid, "reason": reason})
         self._to_agent.put_nowait(None)
         self._wake.set()

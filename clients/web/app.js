@@ -1,5 +1,7 @@
 // The Cadence browser page: WS /v1/stream, playback through an AudioWorklet ring buffer, word
-// highlighting on the playback clock, barge-in with the exact played position.
+// highlighting on the playback clock, barge-in with the exact played position. With "pause first",
+// a barge-in pauses (speak.pause) and resumes by itself (speak.unpause) unless the listener goes
+// on speaking: a false-interruption timer, as voice agents have.
 const RATE = 24000;
 const PREBUFFER_MS = 60; // gathered before playback starts: a jitter margin for the first packets
 const LANGUAGES = ["Auto", "English", "Chinese", "Japanese", "Korean", "German", "French", "Russian",
@@ -15,6 +17,9 @@ const state = {
   stopWaiters: new Map(), nextStop: 1,
   log: [], // events for tests: {t, kind, ...}
   mic: { thresholdDbfs: -35, attackMs: 100 }, // microphone barge-in: this loud for this long
+  // pause first: resume after `resumeMs` without speech; `confirmMs` of speech meanwhile makes it
+  // a real interruption (speak.cancel), and so does a second click on "Barge in"
+  falseInterruption: { resumeMs: 2000, confirmMs: 600 },
 };
 
 function note(kind, fields = {}) { state.log.push({ t: performance.now(), kind, ...fields }); }
@@ -134,7 +139,18 @@ function onMessage(msg) {
     cur.done = msg;
   } else if (msg.type === "utterance.interrupted" && cur && msg.utterance_id === cur.uid) {
     cur.interruptReport = msg;
-    showInterrupt(msg);
+    if (cur.paused) { // the server's pause timeout came first
+      clearTimeout(cur.paused.timer);
+      cur.interrupted = { reason: "pause timeout", playedMs: msg.played_ms, highlighted: wordAt(msg.played_ms) };
+      cur.paused = null;
+      workletStop();
+      $("barge").textContent = "Barge in";
+      setIdle();
+    }
+    showInterrupt(msg, "Interrupted");
+  } else if (msg.type === "utterance.paused" && cur && msg.utterance_id === cur.uid) {
+    cur.pauseReport = msg;
+    showInterrupt(msg, "Paused: resuming unless you go on speaking");
   } else if (msg.type === "error") {
     setStatus("error", `${msg.code}: ${msg.message}`);
   }
@@ -143,12 +159,13 @@ function onMessage(msg) {
 // -- speaking ------------------------------------------------------------------------------------
 async function speak() {
   await ensureAudio();
-  if (state.current && !state.current.finished && !state.current.interrupted) await bargeIn("new text");
+  if (state.current && !state.current.finished && !state.current.interrupted) await bargeIn("new text", false);
   await connect();
   const text = $("text").value;
   const uid = `u${state.nextId++}`;
   state.current = { uid, text, words: [], sentAt: performance.now(), ttfaMs: null, received: 0, receivedMs: 0,
-    highlighted: -1, highlightLog: [], heardMs: 0, finished: false, interrupted: null, interruptReport: null, done: null };
+    highlighted: -1, highlightLog: [], heardMs: 0, finished: false, interrupted: null, interruptReport: null, done: null,
+    paused: null, pauseReport: null };
   state.node.port.postMessage({ type: "start", uid, prebufferMs: PREBUFFER_MS });
   $("interrupt").hidden = true;
   $("ttfa").textContent = "…";
@@ -176,16 +193,78 @@ function llmTokens(text) {
   return out;
 }
 
-async function bargeIn(reason) {
+function playedMsOf(stopped, cur) {
+  const frames = stopped.uid === cur.uid ? stopped.played : 0;
+  return Math.max(0, Math.round((frames - latencyS() * RATE) * 1000 / RATE));
+}
+
+async function bargeIn(reason, mayPause = true) {
   const cur = state.current;
   if (!cur || cur.finished || cur.interrupted) return;
-  const stopped = await workletStop();
-  const frames = stopped.uid === cur.uid ? stopped.played : 0;
-  const playedMs = Math.max(0, Math.round((frames - latencyS() * RATE) * 1000 / RATE));
+  if (cur.paused) { await interruptPaused(reason); return; }
+  if (mayPause && $("pause-barge").checked) { await pauseFor(reason); return; }
+  const playedMs = playedMsOf(await workletStop(), cur);
   const index = wordAt(playedMs);
   cur.interrupted = { reason, playedMs, highlighted: index, word: index >= 0 ? cur.words[index].text : null };
   note("barge-in", { uid: cur.uid, playedMs, highlighted: index });
   send({ type: "speak.cancel", utterance_id: cur.uid, played_ms: playedMs });
+  setIdle();
+  renderWords();
+}
+
+// -- a possible false interruption: pause, then resume unless speech follows ------------------------
+async function pauseFor(reason) {
+  const cur = state.current;
+  const stopped = await new Promise((resolve) => {
+    const id = state.nextStop++;
+    state.stopWaiters.set(id, resolve);
+    state.node.port.postMessage({ type: "pause", id });
+  });
+  const playedMs = playedMsOf(stopped, cur);
+  state.position = { uid: cur.uid, played: stopped.played, at: stopped.at, starving: true }; // frozen
+  cur.heardMs = playedMs;
+  cur.paused = { reason, playedMs, speechMs: 0, timer: null };
+  note("pause", { uid: cur.uid, playedMs });
+  send({ type: "speak.pause", utterance_id: cur.uid, played_ms: playedMs });
+  $("barge").textContent = "Interrupt";
+  armResume();
+}
+
+function armResume() {
+  const cur = state.current;
+  clearTimeout(cur.paused.timer);
+  cur.paused.timer = setTimeout(() => resumeAfterFalseInterruption(cur), state.falseInterruption.resumeMs);
+}
+
+function speechWhilePaused(ms) { // the microphone heard the listener while paused
+  const cur = state.current;
+  cur.paused.speechMs += ms;
+  if (cur.paused.speechMs >= state.falseInterruption.confirmMs) interruptPaused("speech");
+  else armResume();
+}
+
+function resumeAfterFalseInterruption(cur) {
+  if (state.current !== cur || !cur.paused || cur.interrupted) return;
+  clearTimeout(cur.paused.timer);
+  cur.paused = null;
+  note("unpause", { uid: cur.uid });
+  send({ type: "speak.unpause", utterance_id: cur.uid });
+  state.position = { ...state.position, at: state.ctx.currentTime, starving: false };
+  state.node.port.postMessage({ type: "resume" });
+  $("barge").textContent = "Barge in";
+}
+
+async function interruptPaused(reason) {
+  const cur = state.current;
+  const playedMs = cur.paused.playedMs;
+  clearTimeout(cur.paused.timer);
+  cur.paused = null;
+  await workletStop();
+  const index = wordAt(playedMs);
+  cur.interrupted = { reason, playedMs, highlighted: index, word: index >= 0 ? cur.words[index].text : null };
+  note("barge-in", { uid: cur.uid, playedMs, highlighted: index });
+  send({ type: "speak.cancel", utterance_id: cur.uid, played_ms: playedMs });
+  $("barge").textContent = "Barge in";
   setIdle();
   renderWords();
 }
@@ -240,12 +319,13 @@ function tick() {
 
 function report() {
   const cur = state.current;
-  if (!cur || cur.interrupted || cur.finished || cur.received === 0 || !state.ws || state.ws.readyState !== 1) return;
+  if (!cur || cur.interrupted || cur.paused || cur.finished || cur.received === 0 || !state.ws || state.ws.readyState !== 1) return;
   send({ type: "playback.report", utterance_id: cur.uid, played_ms: Math.round(heardMs()) });
 }
 
-function showInterrupt(msg) {
+function showInterrupt(msg, title) {
   $("interrupt").hidden = false;
+  $("interrupt-title").textContent = title;
   $("last-word").textContent = msg.last_word ? msg.last_word.text : "(none)";
   $("partial-word").textContent = msg.partial_word ? `(cut in “${msg.partial_word.text}”)` : "";
   $("spoken-text").textContent = msg.spoken_text;
@@ -271,8 +351,12 @@ async function toggleMic(on) {
   micTimer = setInterval(() => {
     analyser.getFloatTimeDomainData(data);
     const rms = Math.sqrt(data.reduce((s, x) => s + x * x, 0) / data.length);
-    loudMs = 20 * Math.log10(rms + 1e-9) > state.mic.thresholdDbfs ? loudMs + 20 : 0;
-    if (loudMs >= state.mic.attackMs && state.current && !state.current.finished && !state.current.interrupted) bargeIn("microphone");
+    const loud = 20 * Math.log10(rms + 1e-9) > state.mic.thresholdDbfs;
+    loudMs = loud ? loudMs + 20 : 0;
+    const cur = state.current;
+    if (!cur || cur.finished || cur.interrupted) return;
+    if (cur.paused) { if (loud) speechWhilePaused(20); return; }
+    if (loudMs >= state.mic.attackMs) bargeIn("microphone");
   }, 20);
 }
 

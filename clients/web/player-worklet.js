@@ -2,7 +2,8 @@
 // `prebufferMs` of it has arrived (or all of it), then packets are played as they arrive; running
 // dry mid-utterance counts one underrun. Every ~100 ms it posts how many frames of
 // the current utterance it has rendered (and the audio clock then); `stop` answers with the exact
-// count and empties the buffer (the barge-in).
+// count and empties the buffer (the barge-in); `pause` answers the same way but keeps the buffer,
+// and `resume` plays on from the next frame (a false interruption).
 class CadencePlayer extends AudioWorkletProcessor {
   constructor() {
     super();
@@ -19,6 +20,7 @@ class CadencePlayer extends AudioWorkletProcessor {
     this.sinceReport = 0;
     this.prebuffer = 0; // frames to gather before an utterance starts playing
     this.playing = false;
+    this.paused = false;
     this.port.onmessage = (event) => this.onMessage(event.data);
   }
 
@@ -26,7 +28,7 @@ class CadencePlayer extends AudioWorkletProcessor {
     if (msg.type === "start") {
       this.read = this.write;
       Object.assign(this, { uid: msg.uid, played: 0, received: 0, ended: false, finished: false, starving: false,
-        playing: false, prebuffer: Math.round(((msg.prebufferMs ?? 60) * sampleRate) / 1000) });
+        playing: false, paused: false, prebuffer: Math.round(((msg.prebufferMs ?? 60) * sampleRate) / 1000) });
     } else if (msg.type === "push" && msg.uid === this.uid) {
       const samples = msg.samples;
       const room = this.ring.length - (this.write - this.read);
@@ -39,6 +41,12 @@ class CadencePlayer extends AudioWorkletProcessor {
       this.port.postMessage({ type: "stopped", id: msg.id, uid: this.uid, played: this.played, at: currentTime });
       this.read = this.write;
       this.uid = null;
+      this.paused = false;
+    } else if (msg.type === "pause") {
+      this.paused = true;
+      this.port.postMessage({ type: "stopped", id: msg.id, uid: this.uid, played: this.played, at: currentTime });
+    } else if (msg.type === "resume") {
+      this.paused = false;
     }
   }
 
@@ -47,13 +55,13 @@ class CadencePlayer extends AudioWorkletProcessor {
     const n = out.length;
     const available = this.write - this.read;
     if (!this.playing && this.uid !== null && (available >= this.prebuffer || this.ended)) this.playing = true;
-    const take = this.playing && this.uid !== null ? Math.min(n, available) : 0;
+    const take = this.playing && this.uid !== null && !this.paused ? Math.min(n, available) : 0;
     for (let i = 0; i < take; i++) out[i] = this.ring[(this.read + i) % this.ring.length];
     out.fill(0, take);
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
     this.read += take;
     this.played += take;
-    if (this.playing && take < n && !this.ended) {
+    if (this.playing && !this.paused && take < n && !this.ended) {
       if (!this.starving) this.underruns += 1;
       this.starving = true;
     } else if (take === n) {
@@ -65,7 +73,7 @@ class CadencePlayer extends AudioWorkletProcessor {
       this.sinceReport = 0;
       this.port.postMessage({
         type: "position", uid: this.uid, played: this.played, at: currentTime,
-        underruns: this.underruns, buffered: this.write - this.read, starving: this.starving,
+        underruns: this.underruns, buffered: this.write - this.read, starving: this.starving || this.paused,
       });
     }
     if (done) {

@@ -104,3 +104,62 @@ def test_microphone_energy_barges_in(page: Any, espeak_gateway: RunningGateway) 
     report = page.evaluate("cadence.state.current.interruptReport")
     assert cut["reason"] == "microphone"
     assert report["played_ms"] == cut["playedMs"] and report["position_source"] == "client"
+
+
+def _open_pausing(page: Any, gateway: RunningGateway, text: str, resume_ms: int) -> None:
+    page.goto(f"{gateway.http}/")
+    page.wait_for_function("window.cadence !== undefined")
+    page.select_option("#language", "English")
+    page.check("#pause-barge")
+    page.evaluate(f"cadence.state.falseInterruption.resumeMs = {resume_ms}")
+    page.fill("#text", text)
+    page.click("#speak")
+
+
+def test_a_false_interruption_pauses_and_resumes_by_itself(page: Any, espeak_gateway: RunningGateway) -> None:
+    _open_pausing(page, espeak_gateway, LONG, resume_ms=700)
+    page.wait_for_function("cadence.heardMs() >= 1500", timeout=20_000)
+    page.click("#barge")
+    page.wait_for_function("cadence.state.current.pauseReport !== null", timeout=10_000)
+    assert page.inner_text("#interrupt-title").startswith("Paused")
+    held = page.evaluate("cadence.heardMs()")
+    page.wait_for_timeout(300)
+    assert page.evaluate("cadence.heardMs()") == held  # the listener hears nothing while paused
+    page.wait_for_function("window.sent.some(s => s.msg.type === 'speak.unpause')", timeout=5_000)
+    page.wait_for_function("cadence.state.current.finished", timeout=30_000)
+    sent = page.evaluate("window.sent")
+    kinds = [s["msg"]["type"] for s in sent]
+    assert "speak.cancel" not in kinds
+    [pause] = [s for s in sent if s["msg"]["type"] == "speak.pause"]
+    [unpause] = [s for s in sent if s["msg"]["type"] == "speak.unpause"]
+    assert 650 <= unpause["t"] - pause["t"] < 1500  # the false-interruption timer
+    cur = page.evaluate("""() => { const c = cadence.state.current;
+        return {words: c.words, log: c.highlightLog, report: c.pauseReport, done: c.done, received: c.received,
+                played: cadence.state.position.played, interrupt: c.interruptReport}; }""")
+    report = cur["report"]
+    assert report["played_ms"] == pause["msg"]["played_ms"] >= 1400 and report["position_source"] == "client"
+    assert report["spoken_text"] + report["unspoken_text"] == LONG
+    assert cur["interrupt"] is None
+    assert [e["index"] for e in cur["log"]] == list(range(len(cur["words"])))  # every word, once, in order
+    assert cur["played"] == cur["received"]  # the player played every sample once: no gap, no repeat
+    assert abs(cur["done"]["duration_ms"] - cur["received"] * 1000 / 24000) <= 1
+
+
+def test_a_second_barge_in_while_paused_interrupts(page: Any, espeak_gateway: RunningGateway) -> None:
+    _open_pausing(page, espeak_gateway, LONG, resume_ms=3000)
+    page.wait_for_function("cadence.heardMs() >= 1200", timeout=20_000)
+    page.click("#barge")
+    page.wait_for_function("cadence.state.current.pauseReport !== null", timeout=10_000)
+    assert page.inner_text("#barge") == "Interrupt"
+    page.click("#barge")
+    page.wait_for_function("cadence.state.current.interruptReport !== null", timeout=10_000)
+    cur = page.evaluate("""() => { const c = cadence.state.current;
+        return {paused: c.pauseReport, report: c.interruptReport, cut: c.interrupted}; }""")
+    cancel = page.evaluate("window.sent.filter(s => s.msg.type === 'speak.cancel').map(s => s.msg)")
+    assert [c["played_ms"] for c in cancel] == [cur["paused"]["played_ms"]]
+    assert cur["report"]["played_ms"] == cur["paused"]["played_ms"]
+    assert cur["report"]["last_word"] == cur["paused"]["last_word"]
+    assert page.inner_text("#interrupt-title") == "Interrupted"
+    page.wait_for_timeout(300)
+    assert not page.evaluate("window.sent.some(s => s.msg.type === 'speak.unpause')")
+    assert page.evaluate("cadence.state.position.uid") is None  # the worklet stopped

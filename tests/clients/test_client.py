@@ -12,8 +12,10 @@ from clients.client import (
     Done,
     Error,
     Interrupted,
+    Paused,
     PlaybackClock,
     Started,
+    Unpaused,
     Word,
     Words,
     decode_event,
@@ -287,3 +289,32 @@ def test_the_gateways_collector_pauses_are_read_from_its_metrics() -> None:
         "gateway_gc_pauses_gen2": 1.0,
         "gateway_gc_pause_s_gen2": 0.25,
     }
+
+
+def test_clock_holds_its_position_while_paused() -> None:
+    clock = PlaybackClock(RATE, buffer_ms=0)
+    for _ in range(100):  # 2 s of audio at t=0
+        clock.on_packet(PACKET, at=0.0)
+    clock.pause(at=0.5)
+    assert clock.played_ms(at=0.5) == 500 and clock.played_ms(at=3.0) == 500
+    clock.on_packet(PACKET, at=2.0)  # audio sent before the fence, arriving late: no underrun
+    clock.resume(at=3.0)
+    assert clock.played_ms(at=3.25) == 750 and clock.underruns == 0
+
+
+def test_pause_messages_become_typed_events() -> None:
+    word = {"index": 1, "text": "I", "start_ms": 350, "end_ms": 420, "char_start": 6, "char_end": 7}
+    raw = {
+        "type": "utterance.paused",
+        "utterance_id": "u1",
+        "played_ms": 500,
+        "position_source": "client",
+        "last_word": word,
+        "partial_word": None,
+        "spoken_text": "Sure, I",
+        "unspoken_text": " can",
+    }
+    paused = decode_event(raw)
+    assert paused == Paused("u1", 500, "client", Word(1, "I", 350, 420, 6, 7), None, "Sure, I", " can")
+    assert decode_event({"type": "utterance.unpaused", "utterance_id": "u1"}) == Unpaused("u1")
+    assert isinstance(decode_event({**raw, "type": "utterance.interrupted"}), Interrupted)

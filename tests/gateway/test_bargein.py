@@ -137,3 +137,23 @@ def test_word_to_wire() -> None:
         "char_start": 12,
         "char_end": 16,
     }
+
+
+def test_a_known_last_word_heard_bounds_the_cut() -> None:
+    cut = cut_at(WORDS, TEXT, 1000, heard_index=2)  # marks back up to "can"
+    assert cut.last_word == WORDS[2] and cut.spoken_text == "Sure, I can"
+    assert cut.partial_word == WORDS[4]  # being spoken at 1000
+    assert cut_at(WORDS, TEXT, 1120, heard_index=-1).last_word is None
+
+
+def test_the_server_clock_runs_from_where_an_unpause_left_the_listener() -> None:
+    played = played_position(
+        client_ms=None, report=None, first_sent_at=10.0, sent_ms=5000, now=10.25, start_ms=800
+    )
+    assert played == (1050, "server")
+    assert played_position(
+        client_ms=None, report=None, first_sent_at=None, sent_ms=300, now=1.0, start_ms=800
+    ) == (
+        300,
+        "server",
+    )

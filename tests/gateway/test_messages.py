@@ -18,7 +18,9 @@ from gateway.messages import (
     SpeakCancel,
     SpeakEnd,
     SpeakFlush,
+    SpeakPause,
     SpeakResume,
+    SpeakUnpause,
     decode,
     encode_client,
     unpack_packet,
@@ -75,6 +77,11 @@ def test_session_start_defaults() -> None:
         ({"type": "speak.cancel", "utterance_id": "u1", "played_ms": 960.7}, SpeakCancel("u1", 960)),
         ({"type": "speak.resume", "utterance_id": "u2", "from_utterance": "u1"}, SpeakResume("u2", "u1")),
         ({"type": "playback.report", "utterance_id": "u1", "played_ms": 400}, PlaybackReport("u1", 400)),
+        ({"type": "speak.pause"}, SpeakPause(None, None)),
+        ({"type": "speak.pause", "utterance_id": "u1", "played_ms": 960}, SpeakPause("u1", 960)),
+        ({"type": "speak.unpause"}, SpeakUnpause(None)),
+        ({"type": "speak.unpause", "utterance_id": "u1"}, SpeakUnpause("u1")),
+        ({"type": "session.start", "pause_timeout_ms": 2000}, SessionStart(pause_timeout_ms=2000)),
         ({"type": "session.end"}, SessionEnd()),
     ],
 )
@@ -89,6 +96,9 @@ def test_encode_client_round_trips() -> None:
         SessionStart(voice="v"),
         SpeakCancel(),
         PlaybackReport("a", 1),
+        SpeakPause("u1", 20),
+        SpeakUnpause(),
+        SessionStart(pause_timeout_ms=1500),
     ):
         assert decode(encode_client(msg)) == msg
 
@@ -113,6 +123,10 @@ def test_encode_client_round_trips() -> None:
         ('{"type": "speak.cancel", "played_ms": true}', "invalid_message"),
         ('{"type": "speak.cancel", "played_ms": "10"}', "invalid_message"),
         ('{"type": "playback.report", "utterance_id": "u"}', "invalid_message"),
+        ('{"type": "speak.pause", "played_ms": -5}', "invalid_message"),
+        ('{"type": "speak.unpause", "utterance_id": 3}', "invalid_message"),
+        ('{"type": "session.start", "pause_timeout_ms": 0}', "invalid_message"),
+        ('{"type": "session.start", "pause_timeout_ms": 600001}', "invalid_message"),
         ('{"type": "speak.resume", "utterance_id": "u2"}', "invalid_message"),
         ('{"type": "session.start", "output": "pcm"}', "invalid_message"),
         ('{"type": "session.start", "output": {"encoding": "opus"}}', "unsupported_output"),

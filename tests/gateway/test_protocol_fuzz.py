@@ -2,7 +2,8 @@
 near-valid and hostile) interleaved with simulated engine output, sends and disconnect-like
 aborts. Nothing may raise; each hostile frame gets the error the protocol names; a valid one never
 gets `invalid_message` / `unknown_type`; no audio of a stream follows its fence; packets of a
-stream are numbered without gaps; nothing follows a Close."""
+stream are numbered without gaps (across a pause too); no audio of a paused stream goes out before
+its unpause; nothing follows a Close."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from gateway.protocol import (
     Action,
     CancelStream,
     Close,
+    Hold,
     OpenStream,
     Purge,
     PushText,
@@ -96,8 +98,10 @@ def valid_message(rng: random.Random) -> dict[str, Any]:
             "playback.report",
             "session.start",
             "session.end",
+            "speak.pause",
+            "speak.unpause",
         ],
-        weights=[30, 5, 10, 8, 4, 4, 2, 1],
+        weights=[30, 5, 10, 8, 4, 4, 2, 1, 6, 5],
     )[0]
     if kind == "speak.append":
         return {
@@ -107,11 +111,11 @@ def valid_message(rng: random.Random) -> dict[str, Any]:
             "flush": rng.random() < 0.2,
             "extra": rng.random(),
         }  # unknown fields are ignored
-    if kind == "speak.cancel":
+    if kind in ("speak.cancel", "speak.pause", "speak.unpause"):
         msg: dict[str, Any] = {"type": kind}
         if rng.random() < 0.8:
             msg["utterance_id"] = uid
-        if rng.random() < 0.5:
+        if rng.random() < 0.5 and kind != "speak.unpause":
             msg["played_ms"] = rng.randint(0, 5000)
         return msg
     if kind == "speak.resume":
@@ -124,6 +128,7 @@ def valid_message(rng: random.Random) -> dict[str, Any]:
             "voice": rng.choice([None, "alice", "nobody"]),
             "language": rng.choice(["Auto", "zh"]),
             "output": rng.choice([{}, {"encoding": "mulaw"}, {"sample_rate": 16000, "packet_ms": 40}]),
+            "pause_timeout_ms": rng.choice([None, 50, 2000]),
         }
     if kind in ("speak.flush", "speak.end"):
         return {"type": kind, "utterance_id": uid}
@@ -158,6 +163,7 @@ class Harness:
         self.producing: dict[str, int] = {}  # utterance id -> engine samples produced
         self.queue: list[tuple[int, Any]] = []  # the audio lane: (stream, packet or trailer)
         self.fenced: set[int] = set()
+        self.paused: dict[str, int] = {}  # utterance id -> stream, between Hold and the unpause
         self.next_seq: dict[int, int] = {}
         self.closed = False
 
@@ -171,9 +177,24 @@ class Harness:
                     utt = self.p.utterance(message["utterance_id"])
                     assert utt is not None
                     self.fenced.add(utt.stream)
+                    self.paused.pop(utt.utterance_id, None)
                     assert all(s != utt.stream for s, _ in self.queue)
+                elif message["type"] == "utterance.paused":
+                    assert message["utterance_id"] in self.paused
+                    assert all(s != self.paused[message["utterance_id"]] for s, _ in self.queue)
+                elif message["type"] == "utterance.unpaused":
+                    self.paused.pop(message["utterance_id"])
+            elif isinstance(action, Hold):
+                self.paused[action.utterance_id] = action.stream
+                taken = [item for s, item in self.queue if s == action.stream]
+                self.queue = [q for q in self.queue if q[0] != action.stream]
+                packets = [p for p in taken if p is not None]
+                if packets:  # they come again at the unpause, in their places
+                    self.next_seq[action.stream] = packets[0].header.seq
+                self.run(self.p.held(action.utterance_id, packets, len(packets) < len(taken)))
             elif isinstance(action, SendAudio):
                 assert action.stream not in self.fenced, "audio after the fence"
+                assert action.stream not in self.paused.values(), "audio of a paused stream"
                 for packet in action.packets:
                     expected = self.next_seq.get(action.stream, 0)
                     assert packet.header.seq == expected
@@ -181,6 +202,7 @@ class Harness:
                     self.queue.append((action.stream, packet))
             elif isinstance(action, SendTrailer):
                 assert action.stream not in self.fenced
+                assert action.stream not in self.paused.values()
                 self.queue.append((action.stream, None))
             elif isinstance(action, Purge):
                 self.queue = [q for q in self.queue if q[0] != action.stream]
@@ -308,6 +330,8 @@ _frames = st.one_of(
                         "playback.report",
                         "speak.resume",
                         "session.start",
+                        "speak.pause",
+                        "speak.unpause",
                         "x",
                     ]
                 ),

@@ -115,3 +115,23 @@ async def test_a_stream_that_is_only_iterable_is_not_listened_to() -> None:
             yield chunk(0)
 
     assert not listen(Iterable(), Record().listener())  # type: ignore[arg-type]
+
+
+async def test_a_throttled_stream_holds_its_chunks_until_throttled_off() -> None:
+    r = Record()
+    listener = r.listener()
+    listener.chunk(chunk(0))
+    listener.throttle(True)
+    listener.chunk(chunk(480))
+    listener.chunk(chunk(960, final=True))
+    listener.end()
+    await asyncio.sleep(0.01)
+    assert r.events == [0]  # room in the lane, but held back
+    listener.throttle(True)  # again: still held
+    await asyncio.sleep(0.01)
+    assert r.events == [0]
+    listener.throttle(False)
+    await asyncio.sleep(0.01)
+    assert r.events == [0, 480, 960, "end"]
+    listener.chunk(chunk(1440))
+    assert r.events == [0, 480, 960, "end"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -9,7 +10,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from clients.client import Done, Interrupted, Packet, PlaybackClock, Started, Words, connect
+from clients.client import (
+    Done,
+    Event,
+    Interrupted,
+    Packet,
+    Paused,
+    PlaybackClock,
+    Started,
+    Unpaused,
+    Words,
+    connect,
+)
 from clients.say import say_main
 from engine.espeak.engine import EspeakEngine
 from tests.integration.conftest import GatewayFactory, RunningGateway
@@ -68,6 +80,55 @@ async def test_interrupt_is_a_fence_with_the_last_word(espeak_gateway: RunningGa
         events = [e async for e in session.speak("Still here.")]
         assert isinstance(events[-1], Done)
         assert session.stray_packets == 0  # no packet of the interrupted stream followed its fence
+
+
+async def test_a_false_interruption_pauses_and_goes_on(espeak_gateway: RunningGateway) -> None:
+    async with connect(espeak_gateway.ws, pacing="realtime", language="English") as session:
+        clock = PlaybackClock(session.sample_rate, buffer_ms=100)
+        uid = "paused"
+        await session.append(uid, LONG)
+        await session.end(uid)
+        events: list[Event] = []
+        asked = False
+        async for event in session.events(uid):
+            events.append(event)
+            if isinstance(event, Packet):
+                clock.on_packet(event.samples, event.received_at)
+                if clock.played_ms() >= 800 and not asked:
+                    asked = True
+                    clock.pause()
+                    await session.pause(uid, played_ms=clock.played_ms())
+            elif isinstance(event, Paused):
+                await asyncio.sleep(0.5)  # a cough, not words: go on
+                clock.resume()
+                await session.unpause(uid)
+    kinds = [type(e) for e in events]
+    paused, unpaused = kinds.index(Paused), kinds.index(Unpaused)
+    assert Packet not in kinds[paused:unpaused]  # the fence held until the unpause
+    report = events[paused]
+    assert isinstance(report, Paused) and report.position_source == "client" and report.played_ms >= 800
+    assert report.spoken_text + report.unspoken_text == LONG
+    packets = [e for e in events if isinstance(e, Packet)]
+    assert [p.seq for p in packets] == list(range(len(packets)))
+    assert [p.sample_offset for p in packets] == list(np.cumsum([0] + [p.samples for p in packets[:-1]]))
+    done = events[-1]
+    assert isinstance(done, Done) and done.packets == len(packets) and Interrupted not in kinds
+
+
+async def test_a_pause_left_too_long_ends_as_an_interruption(espeak_gateway: RunningGateway) -> None:
+    async with connect(espeak_gateway.ws, pacing="realtime", pause_timeout_ms=300) as session:
+        await session.append("u1", LONG)
+        await session.end("u1")
+        events: list[Event] = []
+        async for event in session.events("u1"):
+            events.append(event)
+            if isinstance(event, Packet) and event.seq == 20:
+                await session.pause("u1")
+    paused = next(e for e in events if isinstance(e, Paused))
+    interrupted = events[-1]
+    assert isinstance(interrupted, Interrupted) and interrupted.played_ms == paused.played_ms
+    assert interrupted.spoken_text == paused.spoken_text and paused.position_source == "server"
+    assert not [e for e in events[events.index(paused) :] if isinstance(e, Packet)]
 
 
 def test_say_writes_a_wav_and_prints_word_times(espeak_gateway: RunningGateway, tmp_path: Path) -> None:
