@@ -54,7 +54,7 @@ REFERENCE_FRAMES = 125  # 10 s at 12.5 frames per second
 def clone_voice(engine: Qwen3Engine, seed: int = 0) -> _Voice:
     g = torch.Generator().manual_seed(seed)
     hidden = engine.cfg.talker.hidden_size
-    device, dtype = engine.qwen3.runner.device, engine.qwen3.runner.dtype
+    device, dtype = engine.runner.device, engine.runner.dtype
     return _Voice(
         speaker_embedding=(0.02 * torch.randn(hidden, generator=g)).to(device, dtype),
         ref_codes=torch.randint(0, 2048, (REFERENCE_FRAMES, 16), generator=g).to(device),
@@ -67,9 +67,9 @@ MODES = ("off", "kv", "both")
 
 def set_caches(engine: Qwen3Engine, mode: str, kv: PrefixKVCache, codec: CodecStateCache) -> None:
     on = mode != "off"
-    engine.qwen3.prefix_cache = engine.qwen3.runner.prefix_cache = kv if on else None
-    engine.qwen3.scheduler.prefix_lookup = kv.lookup if on else None
-    engine.qwen3.runner.codec_states = codec if mode == "both" else None
+    engine.prefix_cache = engine.runner.prefix_cache = kv if on else None
+    engine.scheduler.prefix_lookup = kv.lookup if on else None
+    engine.runner.codec_states = codec if mode == "both" else None
 
 
 async def one(engine: Qwen3Engine, rid: str, text: str, frames: int) -> float:
@@ -130,7 +130,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             codec_frame_buckets=tuple(args.codec_frame_buckets),
         ),
     )
-    cache, codec_states = engine.qwen3.prefix_cache, engine.qwen3.runner.codec_states
+    cache, codec_states = engine.prefix_cache, engine.runner.codec_states
     assert cache is not None and codec_states is not None
     engine._voices["clone"] = clone_voice(engine)
     await engine.start()

@@ -104,7 +104,7 @@ def qwen3_engine(bundle, **overrides):
 
 
 def step(engine) -> None:
-    engine.qwen3.core._emit(engine.qwen3.core.step())
+    engine.core._emit(engine.core.step())
 
 
 def qwen3_open(aligned, rid: str, pieces, frames: int, mode: str):

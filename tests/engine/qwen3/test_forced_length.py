@@ -3,7 +3,6 @@ gateway cut its text, on a random checkpoint written by bench/random_checkpoint.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +28,7 @@ def test_frames_are_shared_by_characters_and_sum_to_the_total(total: int, length
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Qwen3Engine:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from random_checkpoint import write_checkpoint
+    from bench.random_checkpoint import write_checkpoint
 
     path = tmp_path_factory.mktemp("random_tiny")
     write_checkpoint(path, "tiny", "cpu", ROOT / "deploy" / "bench" / "corpus.jsonl")
@@ -49,9 +47,9 @@ def engine(tmp_path_factory) -> Qwen3Engine:
 
 def drive(engine: Qwen3Engine, max_steps: int = 400) -> None:
     for _ in range(max_steps):
-        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+        if not engine.scheduler.has_work() and not engine.core._text:
             return
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
 
 
 async def test_a_multi_sentence_forced_request_yields_exactly_its_frames(engine: Qwen3Engine) -> None:

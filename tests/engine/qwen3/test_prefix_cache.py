@@ -26,13 +26,13 @@ TEXTS = ("Hello there, nice to meet you.", "Quite a different sentence, really."
 def recording(engine: Qwen3Engine) -> list[StepPlan]:
     """Every plan the runner executes."""
     plans: list[StepPlan] = []
-    execute = engine.qwen3.runner.execute
+    execute = engine.runner.execute
 
     def record(plan: StepPlan):  # type: ignore[no-untyped-def]
         plans.append(plan)
         return execute(plan)
 
-    engine.qwen3.runner.execute = record  # type: ignore[method-assign]
+    engine.runner.execute = record  # type: ignore[method-assign]
     return plans
 
 
@@ -42,7 +42,7 @@ async def speak(
     stream = engine.open(
         SynthesisRequest(request_id=rid, language="English", greedy=True, max_frames=frames, **voice)
     )  # type: ignore[arg-type]
-    state = engine.qwen3.scheduler.requests[rid]
+    state = engine.scheduler.requests[rid]
     stream.push(TextSegment(text, char_start=0))
     stream.close_text()
     drive(engine)
@@ -76,7 +76,7 @@ def base_engine(tmp_path_factory) -> Qwen3Engine:
 # -- the prefix is text-independent, and as long as it can be --------------------------------------
 def _embeds(engine: Qwen3Engine, text: str, **req: object):  # type: ignore[no-untyped-def]
     pr = PromptRequest(text=text, language="English", **req)  # type: ignore[arg-type]
-    tokens = tokenize_request(engine.qwen3.tokenizer, engine.cfg, pr)
+    tokens = tokenize_request(engine.tokenizer, engine.cfg, pr)
     emb = build_prompt_embeds(
         engine.talker,
         engine.cfg,
@@ -185,13 +185,13 @@ async def test_two_voices_never_share_an_entry(bundle) -> None:  # noqa: F811
     await speak(engine, "a", TEXTS[0], voice="ryan")
     await speak(engine, "b", TEXTS[0], voice=other)
     await speak(engine, "c", TEXTS[0], voice="ryan", instructions=INSTRUCT)
-    cache = engine.qwen3.prefix_cache
+    cache = engine.prefix_cache
     assert cache is not None and len(cache) == 3 and cache.hits == 0 and cache.misses == 3
     await speak(engine, "d", TEXTS[1], voice=other)
     assert cache.hits == 1
 
     tokens = tokenize_request(
-        engine.qwen3.tokenizer, engine.cfg, PromptRequest(text="x y", language="English")
+        engine.tokenizer, engine.cfg, PromptRequest(text="x y", language="English")
     )
     emb = torch.randn(8)
     twin = emb.clone()
@@ -207,12 +207,12 @@ async def test_the_byte_budget_evicts_the_least_recent_prefix(bundle) -> None:  
     engine = make_engine(bundle)
     speakers = [s for s in engine.cfg.speakers][:3]
     await speak(engine, "probe", TEXTS[0], voice=speakers[0])
-    cache = engine.qwen3.prefix_cache
+    cache = engine.prefix_cache
     assert cache is not None
     one = cache.bytes
     small = PrefixKVCache(max_bytes=2 * one)  # room for two voices' prefixes
-    engine.qwen3.prefix_cache = engine.qwen3.runner.prefix_cache = small
-    engine.qwen3.scheduler.prefix_lookup = small.lookup
+    engine.prefix_cache = engine.runner.prefix_cache = small
+    engine.scheduler.prefix_lookup = small.lookup
     for i, s in enumerate(speakers):
         await speak(engine, f"v{i}", TEXTS[0], voice=s)
         assert small.bytes <= small.max_bytes
@@ -220,9 +220,9 @@ async def test_the_byte_budget_evicts_the_least_recent_prefix(bundle) -> None:  
     await speak(engine, "again0", TEXTS[1], voice=speakers[0])  # evicted: computed again
     await speak(engine, "again2", TEXTS[1], voice=speakers[2])  # still there
     assert small.misses == 4 and small.hits == 1
-    assert PrefixKVCache(max_bytes=one - 1).store("k", engine.qwen3.runner.cache, 0, 4) is True
+    assert PrefixKVCache(max_bytes=one - 1).store("k", engine.runner.cache, 0, 4) is True
     too_small = PrefixKVCache(max_bytes=16)
-    assert too_small.store("k", engine.qwen3.runner.cache, 0, 4) is False and len(too_small) == 0
+    assert too_small.store("k", engine.runner.cache, 0, 4) is False and len(too_small) == 0
 
 
 # -- live load figures ------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ async def test_load_reports_live_figures(bundle) -> None:  # noqa: F811
     assert f["kv_blocks_in_use"] == 0 and f["kv_blocks_total"] == 4
     assert f["batch_decode"] == 1 and f["batch_prefill"] == 1 and f["batch_sample"] == 1
     assert f["step_ms_decode"] > 0 and f["step_ms_prefill"] > 0 and f["step_ms_codec"] > 0
-    assert f["steps"] == engine.qwen3.core.steps and f["requests_finished"] == 1
+    assert f["steps"] == engine.core.steps and f["requests_finished"] == 1
     assert f["ttfa_samples"] == 1 and f["ttfa_p50_ms"] >= 0
 
 

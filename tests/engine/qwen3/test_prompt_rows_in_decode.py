@@ -23,7 +23,7 @@ def speak_together(engine: Qwen3Engine) -> dict[str, list[list[int]]]:
         stream = engine.open(
             SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True, max_frames=8)
         )
-        states[rid] = engine.qwen3.scheduler.requests[rid]
+        states[rid] = engine.scheduler.requests[rid]
         stream.push(TextSegment(text, char_start=0))
         stream.close_text()
         drive(engine, max_steps=3 if i < len(TEXTS) - 1 else 400)
@@ -54,13 +54,13 @@ async def test_prompt_chunks_padded_into_buckets_equal_the_eager_forward(bundle)
     paths: dict[str, int] = {"bucket": 0, "eager": 0}
     for engine in (bucketed, eager):
         for name in paths:
-            method = getattr(engine.qwen3.runner, f"_prefill_{name}")
+            method = getattr(engine.runner, f"_prefill_{name}")
 
             def counted(*args, _method=method, _name=name):  # type: ignore[no-untyped-def]
                 paths[_name] += 1
                 return _method(*args)
 
-            setattr(engine.qwen3.runner, f"_prefill_{name}", counted)
+            setattr(engine.runner, f"_prefill_{name}", counted)
     first = speak_together(bucketed)
     assert paths == {"bucket": len(TEXTS), "eager": 0}
     assert speak_together(eager) == first
@@ -80,7 +80,7 @@ def speak_pair(engine: Qwen3Engine) -> dict[str, list[list[int]]]:
                 request_id=rid, voice="ryan", language="English", greedy=True, max_frames=6, **voice
             )
         )  # type: ignore[arg-type]
-        states[rid] = engine.qwen3.scheduler.requests[rid]
+        states[rid] = engine.scheduler.requests[rid]
         stream.push(TextSegment(TEXTS[0], char_start=0))
         stream.close_text()
         drive(engine, max_steps=4 if rid == "long" else 400)

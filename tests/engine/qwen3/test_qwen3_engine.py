@@ -44,9 +44,9 @@ def make_engine(bundle, **overrides) -> Qwen3Engine:
 
 def drive(engine: Qwen3Engine, max_steps: int = 200) -> None:
     for _ in range(max_steps):
-        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+        if not engine.scheduler.has_work() and not engine.core._text:
             return
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
 
 
 async def collect(stream) -> list:
@@ -68,7 +68,7 @@ def open_greedy(engine, rid: str, text: str, frames: int):
     stream = engine.open(
         SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True, max_frames=frames)
     )
-    state = engine.qwen3.scheduler.requests[rid]
+    state = engine.scheduler.requests[rid]
     stream.push(TextSegment(text, char_start=0))
     stream.close_text()
     return stream, state
@@ -149,7 +149,7 @@ async def test_rows_of_one_chunk_size_beyond_one_batch_keep_their_own_audio_with
     split over several replays of the same bucket must each be copied out before the next replay."""
     _, codec = bundle
     engine = make_engine(bundle, max_codec_batch=1, defer_codec=True)
-    runner = engine.qwen3.runner
+    runner = engine.runner
     static: dict[tuple[int, int], torch.Tensor] = {}
     eager = runner._decode_frames
 
@@ -178,7 +178,7 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer)
     stream = engine.open(
         SynthesisRequest(request_id="m", voice="ryan", language="English", greedy=True, max_frames=3)
     )
-    state = engine.qwen3.scheduler.requests["m"]
+    state = engine.scheduler.requests["m"]
     stream.push(TextSegment("Hello world.", char_start=0))
     stream.push(TextSegment("Good morning", char_start=13))
     stream.close_text()
@@ -198,8 +198,8 @@ async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_aud
     _, codec = bundle
     engine = make_engine(bundle, defer_codec=defer, scheduler_overrides=("max_now_frame_rows=64",))
     ticks = itertools.count()
-    engine.qwen3.scheduler.clock = lambda: 0.03 * next(ticks)  # slow steps: every listener runs low
-    planned = engine.qwen3.scheduler._first_audio_now
+    engine.scheduler.clock = lambda: 0.03 * next(ticks)  # slow steps: every listener runs low
+    planned = engine.scheduler._first_audio_now
     now_frames: list[int] = []
 
     def recording(plan, now):
@@ -207,7 +207,7 @@ async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_aud
         now_frames.extend(f.frame for f in out)
         return out
 
-    engine.qwen3.scheduler._first_audio_now = recording
+    engine.scheduler._first_audio_now = recording
     texts = {"a": ("Hello world. How are you?", 9), "b": ("The quick brown fox jumps.", 7)}
     opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
     drive(engine)
@@ -226,11 +226,11 @@ async def test_cancel_frees_the_slot_at_the_next_step(bundle):
     stream_a, a = open_greedy(engine, "a", "Hello world.", 50)
     stream_b, b = open_greedy(engine, "b", "Good morning", 2)
     for _ in range(2):
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
     assert a.kv_slot == 0 and b.kv_slot is None
     stream_a.cancel()
     assert a.kv_slot == 0  # applied at the next step, not before
-    engine.qwen3.core._emit(engine.qwen3.core.step())
+    engine.core._emit(engine.core.step())
     assert a.status == RequestStatus.FINISHED_CANCELLED and a.kv_slot is None and a.codec_slot is None
     assert b.kv_slot == 0  # the freed slot went to the waiting request in the same step
     drive(engine)
@@ -253,8 +253,8 @@ def test_scheduler_overrides_apply_after_the_engines_own_settings(bundle):
     engine = make_engine(
         bundle, defer_codec=True, scheduler_overrides=("urgent_codec_chunks=true", "codec_delivery_steps=2")
     )
-    assert engine.qwen3.scheduler.config.urgent_codec_chunks is True
-    assert engine.qwen3.scheduler.config.codec_delivery_steps == 2  # set by the runner first, then overridden
+    assert engine.scheduler.config.urgent_codec_chunks is True
+    assert engine.scheduler.config.codec_delivery_steps == 2  # set by the runner first, then overridden
     assert make_engine(bundle, defer_codec=True).scheduler.config.urgent_codec_chunks is False
 
 
@@ -263,21 +263,21 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
     """Later chunks come with the next step; urgent ones (the listener would run dry first) and
     first chunks with their own, after the same stream's deferred chunk when both come at once."""
     engine = make_engine(bundle, defer_codec=True)
-    engine.qwen3.scheduler.config.urgent_codec_chunks = urgent
-    engine.qwen3.scheduler.config.max_now_frame_rows = (
+    engine.scheduler.config.urgent_codec_chunks = urgent
+    engine.scheduler.config.max_now_frame_rows = (
         0  # slow CPU steps would decode every frame in its step
     )
     if urgent:  # a slow step (as on this CPU): every short chunk's listener is about to run dry
-        engine.qwen3.scheduler.config.safety_margin_s = 10.0
+        engine.scheduler.config.safety_margin_s = 10.0
     steps = []
-    execute = engine.qwen3.runner.execute
+    execute = engine.runner.execute
 
     def recording(plan):
         out = execute(plan)
         steps.append((plan, out))
         return out
 
-    engine.qwen3.runner.execute = recording
+    engine.runner.execute = recording
     stream, state = open_greedy(engine, "d", "The quick brown fox jumps over the lazy dog.", 8)
     drive(engine)
     chunks = await collect(stream)
@@ -307,7 +307,7 @@ async def test_a_segment_too_long_fails_alone_in_its_prepared_batch(bundle):
         engine, "long", "This sentence has far too many words for eight text positions.", 3
     )
     short_stream, short_state = open_greedy(engine, "short", "Hi there.", 3)
-    assert len(engine.qwen3.core._text) == 4  # both segments and both closes wait for one step's batch
+    assert len(engine.core._text) == 4  # both segments and both closes wait for one step's batch
     drive(engine)
     assert long_state.status == RequestStatus.FINISHED_ERROR
     with pytest.raises(Exception, match="segment text too long"):
@@ -320,12 +320,12 @@ async def test_a_prompt_that_fails_to_build_fails_alone_in_its_batch(bundle, mon
     """Building a batch fails (here: the builder refuses one text, a stand-in for any prompt it
     cannot build): each segment is then built alone, and only the refused one's request ends."""
     engine = make_engine(bundle)
-    builder = engine.qwen3.runner.prompt_builder
+    builder = engine.runner.prompt_builder
     build, batches = builder.build, []
 
     def refusing(items):
         batches.append(len(items))
-        if any(engine.qwen3.tokenizer.decode(i.tokens.text_ids).count("Refused") for i in items):
+        if any(engine.tokenizer.decode(i.tokens.text_ids).count("Refused") for i in items):
             raise ValueError("refused prompt")
         return build(items)
 

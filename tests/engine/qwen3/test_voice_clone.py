@@ -75,9 +75,9 @@ async def test_an_in_context_clone_continues_its_reference_as_upstream_decodes_i
     streamed = await speak(engine, "icl1", 6, voice="icl")
 
     prompt = build_prompt(
-        engine.qwen3.runner.talker,
+        engine.runner.talker,
         engine.cfg,
-        engine.qwen3.tokenizer,
+        engine.tokenizer,
         PromptRequest(
             text=TEXT,
             language="English",
@@ -87,7 +87,7 @@ async def test_an_in_context_clone_continues_its_reference_as_upstream_decodes_i
         ),
     )
     (codes,) = generate_codes(
-        engine.qwen3.runner.talker,
+        engine.runner.talker,
         [GenerationRequest(prompt=prompt, greedy=True, max_frames=6)],
         engine.generation,
     )
@@ -104,11 +104,11 @@ async def test_a_clones_reference_runs_through_code2wav_once_and_later_requests_
     await engine.register_voice("cached", clip(2.5), 16000, "A third reference sentence.")
     voice = engine._voices["cached"]
     voice.ref_codes = torch.randint(0, 2048, (7, 16), generator=torch.Generator().manual_seed(5))
-    states = engine.qwen3.runner.codec_states
+    states = engine.runner.codec_states
     assert states is not None
     runs = []
-    decode_frames = engine.qwen3.runner._decode_frames
-    engine.qwen3.runner._decode_frames = lambda slots, codes, first_lane=False: (
+    decode_frames = engine.runner._decode_frames
+    engine.runner._decode_frames = lambda slots, codes, first_lane=False: (
         runs.append((list(slots), codes.shape[1])) or decode_frames(slots, codes, first_lane)
     )
     try:
@@ -118,7 +118,7 @@ async def test_a_clones_reference_runs_through_code2wav_once_and_later_requests_
         runs.clear()
         again = await speak(engine, "c2", 5, voice="cached")
     finally:
-        engine.qwen3.runner._decode_frames = decode_frames
+        engine.runner._decode_frames = decode_frames
     assert first_run == 7 + 5  # the reference's frames, then the request's own
     assert sum(n for _, n in runs) == 5  # only the 5 new frames ran: the reference state was copied
     assert states.hits == hits + 1
@@ -130,7 +130,7 @@ async def test_clones_opened_together_share_one_priming_run(engine: Qwen3Engine)
     voice = engine._voices["pair"]
     voice.ref_codes = torch.randint(0, 2048, (6, 16), generator=torch.Generator().manual_seed(6))
     alone = await speak(engine, "p0", 4, voice="pair")
-    engine.qwen3.runner.codec_states._entries.clear()  # cold again: both requests below miss
+    engine.runner.codec_states._entries.clear()  # cold again: both requests below miss
     streams = []
     for rid in ("p1", "p2"):
         stream = engine.open(
@@ -139,11 +139,11 @@ async def test_clones_opened_together_share_one_priming_run(engine: Qwen3Engine)
         stream.push(TextSegment(TEXT, char_start=0))
         stream.close_text()
         streams.append(stream)
-    misses, hits = engine.qwen3.runner.codec_states.misses, engine.qwen3.runner.codec_states.hits
+    misses, hits = engine.runner.codec_states.misses, engine.runner.codec_states.hits
     drive(engine)
     together = [np.concatenate([c.samples async for c in s]) for s in streams]
     # both primed in one step: one clip, one lookup, one run, its state copied to the other slot
-    assert (engine.qwen3.runner.codec_states.misses, engine.qwen3.runner.codec_states.hits) == (
+    assert (engine.runner.codec_states.misses, engine.runner.codec_states.hits) == (
         misses + 1,
         hits,
     )

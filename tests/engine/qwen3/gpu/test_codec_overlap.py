@@ -55,23 +55,23 @@ async def _run(
             first_chunk_lane=lane,
         ),
     )
-    engine.qwen3.runner.capture()
+    engine.runner.capture()
     engine._ready = True
     streams, states = {}, {}
     for rid, (text, frames) in TEXTS.items():  # staggered: first chunks meet other streams' later ones
         streams[rid] = engine.open(
             SynthesisRequest(request_id=rid, voice="ryan", language="English", greedy=True, max_frames=frames)
         )
-        states[rid] = engine.qwen3.scheduler.requests[rid]
+        states[rid] = engine.scheduler.requests[rid]
         streams[rid].push(TextSegment(text, char_start=0))
         streams[rid].close_text()
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
     for _ in range(400):
-        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+        if not engine.scheduler.has_work() and not engine.core._text:
             break
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
     audio = {rid: np.concatenate([c.samples async for c in s]) for rid, s in streams.items()}
-    first_lane = sum(1 for k in engine.qwen3.runner.graphs.graphs if k[0] == "codec_first")
+    first_lane = sum(1 for k in engine.runner.graphs.graphs if k[0] == "codec_first")
     return {rid: st.codes for rid, st in states.items()}, audio, first_lane
 
 

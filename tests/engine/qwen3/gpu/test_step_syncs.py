@@ -46,7 +46,7 @@ async def _steps_block_only_to_read(tmp_path):
         ),
     )
     engine._ready = True
-    assert engine.qwen3.runner.defers_codec
+    assert engine.runner.defers_codec
     allowed = lines_of(Runner._sample) | lines_of(Runner._read_codes) | lines_of(Runner._launch_codec)
     # a first round compiles the Triton kernels (start-up work, done while graphs are captured in
     # serving); the second round is the steady state that must not block
@@ -59,23 +59,23 @@ async def _steps_block_only_to_read(tmp_path):
             stream.close_text()
         blocking = []
         for _ in range(60):
-            if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+            if not engine.scheduler.has_work() and not engine.core._text:
                 break
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    outs = engine.qwen3.core.step()
+                    outs = engine.core.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            engine.qwen3.core._emit(outs)
+            engine.core._emit(outs)
             blocking += [
                 f"{w.filename}:{w.lineno}"
                 for w in caught
                 if "synchroniz" in str(w.message)
                 and not (w.filename.endswith("engine/qwen3/runner.py") and w.lineno in allowed)
             ]
-    assert not engine.qwen3.scheduler.has_work(), "the requests should have finished"
+    assert not engine.scheduler.has_work(), "the requests should have finished"
     assert not blocking, sorted(set(blocking))
 
 
@@ -97,7 +97,7 @@ def test_a_large_code2wav_launch_does_not_wait_for_the_gpu(tmp_path):
             max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )
-    runner = engine.qwen3.runner
+    runner = engine.runner
     frames = 160  # 4 rows x 160 frames x 16 codes x 8 bytes = 80 KiB
     rows = [
         CodecChunk(

@@ -347,13 +347,13 @@ async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_ge
     stream = engine.open(
         SynthesisRequest(request_id="a", voice="ryan", language="English", greedy=True, max_frames=frames)
     )
-    state = engine.qwen3.scheduler.requests["a"]
+    state = engine.scheduler.requests["a"]
     stream.push(TextSegment(text, char_start=0))
     stream.close_text()
     for _ in range(100):
-        if not engine.qwen3.scheduler.has_work() and not engine.qwen3.core._text:
+        if not engine.scheduler.has_work() and not engine.core._text:
             break
-        engine.qwen3.core._emit(engine.qwen3.core.step())
+        engine.core._emit(engine.core.step())
     chunks = [c async for c in stream]
     assert chunks[-1].final
     audio = torch.cat([torch.from_numpy(c.samples) for c in chunks])
