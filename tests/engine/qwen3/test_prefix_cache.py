@@ -190,9 +190,7 @@ async def test_two_voices_never_share_an_entry(bundle) -> None:  # noqa: F811
     await speak(engine, "d", TEXTS[1], voice=other)
     assert cache.hits == 1
 
-    tokens = tokenize_request(
-        engine.tokenizer, engine.cfg, PromptRequest(text="x y", language="English")
-    )
+    tokens = tokenize_request(engine.tokenizer, engine.cfg, PromptRequest(text="x y", language="English"))
     emb = torch.randn(8)
     twin = emb.clone()
     twin[3] += 1e-3

@@ -264,9 +264,7 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
     first chunks with their own, after the same stream's deferred chunk when both come at once."""
     engine = make_engine(bundle, defer_codec=True)
     engine.scheduler.config.urgent_codec_chunks = urgent
-    engine.scheduler.config.max_now_frame_rows = (
-        0  # slow CPU steps would decode every frame in its step
-    )
+    engine.scheduler.config.max_now_frame_rows = 0  # slow CPU steps would decode every frame in its step
     if urgent:  # a slow step (as on this CPU): every short chunk's listener is about to run dry
         engine.scheduler.config.safety_margin_s = 10.0
     steps = []

@@ -458,7 +458,7 @@ def test_fp8_bench_smoke_mode_writes_every_figure(tmp_path, monkeypatch):
     import json
     import sys
 
-    from scripts import gpu_fp8_bench
+    from bench import gpu_fp8_bench
 
     out = tmp_path / "fp8.json"
     monkeypatch.setattr(
