@@ -218,17 +218,16 @@ class Simulation:
             max_codec_rows=streams,
             queue_limit=streams,
             max_tokens_per_step=streams + 512,
-            codec_delivery_steps=1,
         )
         if args.merge_below is not None:
             config.merge_codec_groups_below = args.merge_below
         if args.smooth is not None:
             config.codec_frames_over_production = args.smooth
         try:
-            config.override(args.set or [])  # --set urgent_codec_chunks=true
+            config.override(args.set or [])  # --set max_early_codec_rows=96
         except ValueError as e:
             raise SystemExit(f"--set: {e}") from e
-        self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
+        self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now, codec_delivery_steps=1)
         self.schedule = _chunk_schedule(getattr(args, "schedule", None))
         self.request_s = getattr(args, "request_ms", 0.0) / 1000
         rate = getattr(args, "stalls_per_s", 0.0)
@@ -296,9 +295,9 @@ class Simulation:
         }
         sampled = len(plan.sampling_rows)
         ms["sample"] = self.costs.sample[0] + self.costs.sample[1] * sampled if sampled else 0.0
-        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk or c.urgent]
+        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk]
         now_chunks += [(1, 0)] * len(plan.first_audio_now)
-        later_chunks = [(c.num_frames, 0) for c in plan.codec if not (c.first_chunk or c.urgent)]
+        later_chunks = [(c.num_frames, 0) for c in plan.codec if not c.first_chunk]
         now_launches, later_launches = codec_launches(now_chunks), codec_launches(later_chunks)
         ms["codec_now"], ms["codec_later"] = self._codec_ms(now_launches), self._codec_ms(later_launches)
         host_ms = self.costs.host_step_ms(sampled)
@@ -316,17 +315,13 @@ class Simulation:
             self.step_ms += step_ms
         self.now += step_ms / 1000
         # this step's first chunks arrive now; the previous step's later chunks too
-        # in the runner's order: the previous step's later chunks, then this step's first and urgent
-        # chunks, then the frames decoded in this step
+        # in the runner's order: the previous step's later chunks, then this step's first chunks,
+        # then the frames decoded in this step
         kinds = [(rid, n, "later") for rid, n in self.deferred]
-        kinds += [
-            (c.request_id, c.num_frames, "first" if c.first_chunk else "urgent")
-            for c in plan.codec
-            if c.first_chunk or c.urgent
-        ]
+        kinds += [(c.request_id, c.num_frames, "first") for c in plan.codec if c.first_chunk]
         kinds += [(f.request_id, 1, "now_frame" if f.frame else "first") for f in plan.first_audio_now]
         delivered = [(rid, n) for rid, n, _ in kinds]
-        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not (c.first_chunk or c.urgent)]
+        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk]
         self._note_deliveries(kinds)
         codes = [[7] * 16 for _ in plan.sampling_rows]
         frames: dict[str, int] = defaultdict(int)
@@ -346,7 +341,7 @@ class Simulation:
 
     def _note_deliveries(self, kinds: list[tuple[str, int, str]]) -> None:
         """What each stream gets in this step: its chunk count so far, the kinds (first chunk, frame
-        decoded in its own step, later chunk collected a step after launch, urgent), frames, and the
+        decoded in its own step, later chunk collected a step after launch), frames, and the
         engine's lead (against its own first audio, as engine.qwen3.delivery_leads counts it)."""
         self.delivery = {}
         for rid, n, kind in kinds:

@@ -65,9 +65,6 @@ class CodecChunk:
     first_frame: int  # index on the request's frame timeline of codes[0]
     codes: list[Frame]  # the frames to decode now, [num_frames][16]
     first_chunk: bool  # the request's first chunk (scheduled first, counts for TTFA)
-    # collected in its own step like a first chunk: its listener runs dry before a deferred chunk
-    # would arrive (a deferring runner delivers the others a step later)
-    urgent: bool = False
 
     @property
     def num_frames(self) -> int:

@@ -19,7 +19,6 @@ reporting the model's compute dtype, and `.to(dtype)` moves them between devices
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -252,8 +251,8 @@ def triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-# CADENCE_FP8_TRITON=0 quantises activations with the torch ops instead (for comparisons)
-_triton_state = {"enabled": triton is not None and os.environ.get("CADENCE_FP8_TRITON", "1") != "0"}
+# the activation kernel serves until it fails to compile or launch here (then the torch ops do)
+_triton_state = {"enabled": triton is not None}
 
 
 def guarded_triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

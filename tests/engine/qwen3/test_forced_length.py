@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
-from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig, share_frames
+from engine.qwen3.engine import Qwen3Engine, share_frames
+from tests.engine.qwen3.utils import engine_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -37,7 +38,7 @@ def engine(tmp_path_factory) -> Qwen3Engine:
         path,
         "cpu",
         torch.float32,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )

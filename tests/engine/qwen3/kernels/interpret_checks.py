@@ -535,7 +535,7 @@ def _draws(logits: torch.Tensor, params: Any, seed: torch.Tensor, counter: torch
     from engine.qwen3.sampler import TOP_K_BOUND, sample
 
     with _libdevice_stand_in() as sampling_kernel:
-        assert not sampling_kernel.available(logits.device)  # so sample() below takes the torch path
+        assert not logits.is_cuda  # so sample() below takes the torch path
         expected = sample(logits, params, seed, counter, bounded=True)
         values, index = logits.float().topk(TOP_K_BOUND, dim=-1)  # as sample() hands the kernel
         got = sampling_kernel.draw(
