@@ -53,11 +53,12 @@ from engine.api import (
     InvalidRequest,
     Overloaded,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     pcm16,
 )
-from engine.bridge import LoopChunkChannel, deliver_on_producer_thread, listen
+from engine.bridge import LoopChunkChannel, deliver_on_producer_thread
 
 log = logging.getLogger("cadence.workers")
 
@@ -320,15 +321,14 @@ class _WorkerLoop:
             rid, request = args
             try:
                 stream = self.engine.open(request)
-                chunks = aiter(stream)
             except Exception as exc:
                 self.post("fail", rid, *error_to_wire(exc))
                 return
             self.streams[rid] = stream
             out = _StreamOut(self, rid)
-            if not listen(chunks, out):  # a stream of another kind: a task forwards it
-                self._spawn(self._pump(out, chunks))
-        elif op in ("push", "close_text", "cancel"):
+            if not stream.listen(out):  # a stream that only iterates: a task forwards it
+                self._spawn(self._pump(out, aiter(stream)))
+        elif op in ("push", "close_text", "cancel", "word_alignment"):
             stream = self.streams.get(args[0])
             if stream is None:
                 return
@@ -337,6 +337,8 @@ class _WorkerLoop:
                     stream.push(args[1])
                 elif op == "close_text":
                     stream.close_text()
+                elif op == "word_alignment":
+                    stream.set_word_alignment(args[1])
                 else:
                     stream.cancel()
             except Exception as exc:
@@ -408,7 +410,7 @@ class _Worker:
             self.conn.send(message)
 
 
-class WorkerStream:
+class WorkerStream(SynthesisStream):
     def __init__(self, pool: WorkerPoolEngine, worker: _Worker, rid: int, request_id: str) -> None:
         self.pool = pool
         self.worker = worker
@@ -441,10 +443,14 @@ class WorkerStream:
             self.pool._forget(self.worker, self.rid)
 
     def listen(self, listener: ChunkListener) -> bool:
-        """engine.api.listen: the channel hands the chunks over. The pool forgets the request at
-        its final chunk, end or failure, as it does for an iterated stream; a cancel forgets it too."""
+        """The channel hands the chunks over. The pool forgets the request at its final chunk, end
+        or failure, as it does for an iterated stream; a cancel forgets it too."""
         self.channel.listen(listener)
         return True
+
+    def set_word_alignment(self, mode: str) -> None:
+        """Given to the worker's stream (an aligned engine there takes it; others keep their words)."""
+        self._send("word_alignment", self.rid, mode)
 
 
 _MEAN_FIGURES = (

@@ -22,11 +22,13 @@ import torch
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
     InvalidRequest,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     WordTiming,
@@ -128,7 +130,7 @@ def share_frames(total: int, segments: list[TextSegment]) -> list[int]:
     return [1 + b - a for a, b in zip([0, *bounds[:-1]], bounds, strict=True)]
 
 
-class Qwen3Stream:
+class Qwen3Stream(SynthesisStream):
     def __init__(
         self, engine: Qwen3Engine, request: SynthesisRequest, voice: _Voice, channel: ChunkChannel
     ) -> None:
@@ -166,6 +168,10 @@ class Qwen3Stream:
 
     def cancel(self) -> None:
         self._engine.core.abort(self.request_id)
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self.channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
