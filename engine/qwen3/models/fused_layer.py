@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from engine.qwen3.models.fused_norm import eager_rms_norm
 from engine.qwen3.models.kernel_guard import KernelGuard
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 try:
     import triton
@@ -220,9 +222,6 @@ def fuse_linears(*linears: nn.Linear) -> Tensor | None:
 
 
 def _compare(device: torch.device) -> None:
-    from engine.qwen3.models.fused_norm import eager_rms_norm
-    from engine.qwen3.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-
     gen = torch.Generator(device="cpu").manual_seed(11)
     bf16 = torch.bfloat16
 
