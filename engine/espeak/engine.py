@@ -194,7 +194,10 @@ class EspeakEngine:
         assert self._lib is not None
         code = self._lib.languages().get(language.lower())
         if code is None:
-            raise InvalidRequest(f"unknown language {language!r}")
+            raise InvalidRequest(
+                f"unknown language {language!r}; choose one of {', '.join(self.info.languages)}, "
+                "or an eSpeak language code (such as en-gb or pt-br)"
+            )
         return code
 
     # -- scheduling (called with self._cond held) ------------------------------------------------

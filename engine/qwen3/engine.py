@@ -395,7 +395,9 @@ class Qwen3Engine:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         lang = (request.language or "auto").lower()
         if lang not in self.cfg.languages:
-            raise InvalidRequest(f"unsupported language {request.language!r}")
+            raise InvalidRequest(
+                f"unsupported language {request.language!r}; this model speaks {', '.join(self.info.languages)}"
+            )
         voice = self._resolve_voice(request)
         state = Request(
             request_id=request.request_id,

@@ -340,3 +340,14 @@ async def test_a_prompt_that_fails_to_build_fails_alone_in_its_batch(bundle, mon
         await collect(bad_stream)
     assert good_state.status == RequestStatus.FINISHED_STOPPED and good_state.frames_generated == 3
     assert (await collect(good_stream))[-1].final
+
+
+def test_an_unknown_language_lists_the_models_languages(bundle):
+    from engine.api import InvalidRequest
+
+    engine = make_engine(bundle)
+    with pytest.raises(
+        InvalidRequest, match="unsupported language 'Klingon'; this model speaks auto, .*english"
+    ):
+        engine.open(SynthesisRequest(request_id="k", voice="ryan", language="Klingon"))
+    assert "k" not in engine.scheduler.requests
