@@ -35,7 +35,7 @@ from engine.api import (
 )
 from engine.bridge import ChunkBatch, ChunkChannel
 from engine.qwen3.core import EngineCore
-from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager
+from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager, talker_kv_bytes_per_token
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import GenerationDefaults, Qwen3TTSConfig
 from engine.qwen3.models.talker import Talker
@@ -218,9 +218,11 @@ class Qwen3Engine:
         self._pending_prompts: dict[int, tuple[TextSegment, SynthesisRequest, _Voice]] = {}
         self._streams: dict[str, Qwen3Stream] = {}
         shape = config.talker.shape
-        dtype_bytes = talker.codec_head.weight.element_size()
-        bytes_per_token = (
-            2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * dtype_bytes
+        bytes_per_token = talker_kv_bytes_per_token(
+            shape.num_hidden_layers,
+            shape.num_key_value_heads,
+            shape.head_dim,
+            talker.codec_head.weight.element_size(),
         )
         sc, max_len = ec.scheduler, ec.runner.max_len
         if ec.kv_slots is not None:

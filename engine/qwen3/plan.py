@@ -29,7 +29,6 @@ class PrefillChunk:
     samples_frame: bool  # the chunk completes the context: its last position samples a frame
     frame_index: int  # index within the segment of the frame sampled (valid if samples_frame)
     utterance_frame: int  # index of that frame on the request's timeline (seeds the row's noise)
-    new_segment: bool  # first chunk of a fresh segment: reset the slot's per-segment sampling state
     codes: list[Frame] = field(default_factory=list)  # segment frames to re-embed on a resume
     sampling: Any = None  # the request's sampling parameters
     copied: int = 0  # prompt positions the slot got from the prefix cache (its prefill starts there)

@@ -251,7 +251,6 @@ class Scheduler:
                     samples_frame=n == remaining,
                     frame_index=seg.frames,
                     utterance_frame=r.frames_generated,
-                    new_segment=start == seg.copied and seg.frames == 0,
                     codes=r.codes[seg.first_frame : seg.first_frame + seg.frames] if seg.frames else [],
                     sampling=r.sampling,
                     copied=seg.copied,

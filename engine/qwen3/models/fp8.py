@@ -172,9 +172,6 @@ class Fp8Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_rows(self.weight, self.weight_scale[:, None], dtype)
-
     def forward(self, x: Tensor) -> Tensor:
         lead, k = x.shape[:-1], self.in_features
         native = not self.emulate and native_fp8(x.device)

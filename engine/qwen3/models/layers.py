@@ -53,10 +53,6 @@ class KVCache:
     def max_len(self) -> int:
         return int(self.k.shape[3])
 
-    @property
-    def scratch_position(self) -> int:
-        return self.max_len - 1
-
 
 class Attention(nn.Module):
     def __init__(self, shape: DecoderShape) -> None:

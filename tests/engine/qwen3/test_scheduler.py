@@ -23,7 +23,7 @@ def test_new_request_is_prefilled_and_samples_its_first_frame_in_one_step():
     sched.add_request(r)
     plan = sched.schedule()
     assert [c.length for c in plan.prefill] == [12]
-    assert plan.prefill[0].samples_frame and plan.prefill[0].new_segment
+    assert plan.prefill[0].samples_frame and plan.prefill[0].start == 0 and not plan.prefill[0].codes
     assert plan.sampling_rows == ["r0"]
     sched.update(plan, fake_output(plan))
     assert r.status == RequestStatus.DECODING
@@ -180,7 +180,7 @@ def test_interactive_preempts_bulk_which_later_resumes_with_recompute():
             break
     (chunk,) = resumed
     # the context is rebuilt: prompt (4) + the 3 frames generated before the preemption
-    assert (chunk.start, chunk.length, chunk.prompt_len, chunk.new_segment) == (0, 7, 4, False)
+    assert (chunk.start, chunk.length, chunk.prompt_len) == (0, 7, 4)
     assert chunk.codes == bulk.codes[:3] and chunk.frame_index == 3
     run_steps(sched, 5)
     assert bulk.frames_generated == 5
