@@ -64,10 +64,9 @@ log = logging.getLogger("cadence.workers")
 
 LOAD_PERIOD_S = 0.2  # how often a worker reports its EngineLoad
 # net container allocations between two collections of the youngest generation (CPython: 700). A
-# step makes and drops thousands (a plan's rows, the outputs): at 700 the collector ran about twice
-# a step and promoted enough to run a full collection (~50 ms at 512 streams) every ~70 steps; at
-# 7000 most of a step's objects are gone before it runs (stepping the stand-in engine in-process at
-# 512 streams: the collector's time per step 1.6-1.9 -> 0.4 ms; its longest pause ~50 -> ~30 ms)
+# step makes and drops thousands (a plan's rows, the outputs): at 700 the collector runs several
+# times a step and promotes enough to run frequent full collections, each a pause of the step
+# thread; at 7000 most of a step's objects are gone before it runs
 YOUNG_GC_THRESHOLD = 7000
 _ERRORS: dict[str, type[EngineError]] = {
     "overloaded": Overloaded,
@@ -218,8 +217,8 @@ class _WorkerLoop:
         # pausing the step thread for every object the model and its graphs hold
         gc.collect()
         gc.freeze()
-        # counted once: get_freeze_count() walks the whole frozen list (half a million objects, ~40 ms
-        # with the GIL held), which every load report paid and every engine thread waited for
+        # counted once: get_freeze_count() walks the whole frozen list (hundreds of thousands of
+        # objects) with the GIL held, which every load report would pay and every engine thread wait for
         self.frozen_objects = float(gc.get_freeze_count())
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         self.send("ready", self.engine.info)

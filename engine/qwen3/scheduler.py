@@ -742,8 +742,8 @@ class Scheduler:
 
     def _merge_small_groups(self, chosen: list[tuple[Request, int, int]], now: float) -> None:
         """Fewer Code2Wav launches: the later chunks of one size run as one launch per size, and a
-        launch costs about the same whatever its size at small batches (an H200: 2.5 ms for 1 row x
-        1 frame, 6 ms for 64 rows). A group of fewer than `merge_codec_groups_below` chunks is cut
+        launch costs nearly the same whatever its size at small batches (bench/gpu_codec_bench.py
+        gives the cost per shape). A group of fewer than `merge_codec_groups_below` chunks is cut
         down to the next smaller size present in the step when every row of it can wait: after the
         smaller chunk its listener still holds the safety margin and the next step. The rest of
         their frames go in later steps. First chunks and final flushes are never cut."""

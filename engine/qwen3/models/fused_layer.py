@@ -3,7 +3,7 @@
 Eagerly a Qwen3 layer launches some 20-27 kernels for one token per row: three projections, two
 head norms, two rotations, two cache writes, the residual adds, the norms, SiLU and the gate
 product. The code predictor runs its five layers 16 times a frame and the talker its 28 once, so at
-every batch size a step's time went mostly to launches (deploy/bench/README.md). Here:
+every batch size launches, not arithmetic, set most of a step's time. Here:
 
 - `add_rms_norm`: the residual add and the next RMSNorm in one pass (both outputs kept);
 - `qkv_post`: query and key head norms, the rotary embedding of both, and the keys' and values'

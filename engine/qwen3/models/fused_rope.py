@@ -30,7 +30,7 @@ if triton is not None:
     @triton.jit
     def _round(v, dtype: tl.constexpr):
         """v (fp32) rounded to `dtype` and back, as eager rounds each product. For bf16 with integer
-        ops (nearest, ties to even): a plain cast pair was folded into an FMA by the compiler."""
+        ops (nearest, ties to even): the compiler folds a plain cast pair into an FMA."""
         if dtype == tl.bfloat16:
             bits = v.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
