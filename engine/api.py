@@ -225,6 +225,7 @@ class SynthesisStream(Protocol):
         words when aligned), "sync" (audio held until its words are aligned) or "off" (the engine's
         own words). Called right after open(), before the first chunk; an engine without an aligner
         keeps its own words."""
+        return None
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
 

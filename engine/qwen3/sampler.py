@@ -169,7 +169,7 @@ def _compare_draw_kernel(device: torch.device, rows: int = 256) -> None:
 
 # the bounded draw's Triton kernel, checked on each device before first use (the runner checks it
 # at start-up, before any graph is captured)
-draw_kernel = KernelGuard("sampling kernel", _compare_draw_kernel, built=sampling_kernel.triton is not None)
+draw_kernel = KernelGuard("sampling kernel", _compare_draw_kernel, built=sampling_kernel.BUILT)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:

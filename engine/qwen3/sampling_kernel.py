@@ -23,6 +23,8 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+BUILT = triton is not None  # the kernel exists here (Triton imported)
+
 
 if triton is not None:
 
