@@ -34,6 +34,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aligner.api import AlignedWord, AlignInput
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
+from engine.qwen3.models.layers import RMSNorm
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from engine.qwen3.models.speaker import mel_filterbank
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -143,42 +146,14 @@ class AlignerConfig:
 # --------------------------------------------------------------------------- log-mel front end
 
 
-def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
-    """Slaney mel scale: linear below 1 kHz, logarithmic above."""
-    hz = np.asarray(hz, dtype=np.float64)
-    mel = 3.0 * hz / 200.0
-    log_region = hz >= 1000.0
-    mel[log_region] = 15.0 + np.log(hz[log_region] / 1000.0) * (27.0 / np.log(6.4))
-    return mel
-
-
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
-    mel = np.asarray(mel, dtype=np.float64)
-    hz = 200.0 * mel / 3.0
-    log_region = mel >= 15.0
-    hz[log_region] = 1000.0 * np.exp(np.log(6.4) / 27.0 * (mel[log_region] - 15.0))
-    return hz
-
-
-def mel_filters(n_mels: int = N_MELS, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Slaney-normalised triangular filters, shape (n_fft // 2 + 1, n_mels), as Whisper uses."""
-    fft_hz = np.linspace(0, sample_rate // 2, n_fft // 2 + 1)
-    edges_mel = np.linspace(_hz_to_mel(np.array([0.0]))[0], _hz_to_mel(np.array([8000.0]))[0], n_mels + 2)
-    edges_hz = _mel_to_hz(edges_mel)
-    widths = np.diff(edges_hz)
-    slopes = edges_hz[None, :] - fft_hz[:, None]
-    rising = -slopes[:, :-2] / widths[:-1]
-    falling = slopes[:, 2:] / widths[1:]
-    filters = np.maximum(0.0, np.minimum(rising, falling))
-    return filters * (2.0 / (edges_hz[2 : n_mels + 2] - edges_hz[:n_mels]))
-
-
 class LogMel:
     """Whisper-style 128-bin log-mel at 16 kHz (10 ms hop), batched like the reference extractor."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.filters = torch.from_numpy(mel_filters()).to(self.device, torch.float32)
+        # Slaney-normalised triangular filters up to the Nyquist rate, as Whisper's
+        filters = mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS, 0.0, SAMPLE_RATE / 2)  # [mels, freqs]
+        self.filters = torch.from_numpy(np.ascontiguousarray(filters.T)).to(self.device, torch.float32)
         self.window = torch.hann_window(N_FFT, device=self.device)
 
     def __call__(self, waveforms: Sequence[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
@@ -444,24 +419,6 @@ def upload(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- text decoder
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class _TextAttention(nn.Module):
     def __init__(self, cfg: TextDecoderConfig) -> None:
         super().__init__()
@@ -481,8 +438,7 @@ class _TextAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(batch, length, -1, head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(batch, length, -1, head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, -1, head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -526,12 +482,8 @@ class TextDecoder(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The checkpoint's interleaved multimodal RoPE gets equal positions on all three axes
         # for this model, which makes it plain 1-D RoPE.
-        dim = self.cfg.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
-        inv_freq = 1.0 / (self.cfg.rope_theta**exponents)
-        angles = positions.float()[..., None] * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)[:, None]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, positions.device)
+        return rope_cos_sin(inv_freq, positions, dtype)
 
     def forward(self, embeds: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         positions = attention.long().cumsum(-1) - 1

@@ -56,12 +56,6 @@ def cpu_times(pid: int) -> tuple[float, float] | None:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time a process has used so far (Linux /proc; None elsewhere)."""
-    times = cpu_times(pid)
-    return None if times is None else sum(times)
-
-
 @contextmanager
 def gateway_child(engine_name: str, **engine_options: Any) -> Iterator[GatewayChild]:
     """Run the real gateway (uvicorn + the named engine) in a child process; yield its URL and pid."""

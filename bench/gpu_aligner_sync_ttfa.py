@@ -28,13 +28,21 @@ import torch
 from aligner.api import Aligner
 from bench.gpu_aligner_bench import WORDS, build_aligner
 from engine.aligned import AlignedEngine
-from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment, WordTiming
+from engine.api import (
+    AudioChunk,
+    EngineInfo,
+    EngineLoad,
+    SynthesisRequest,
+    SynthesisStream,
+    TextSegment,
+    WordTiming,
+)
 
 RATE = 24_000
 FRAME = 1_920  # 80 ms
 
 
-class PacedStream:
+class PacedStream(SynthesisStream):
     def __init__(self, request: SynthesisRequest, seconds: float, speed: float) -> None:
         self.request_id = request.request_id
         self.seconds, self.speed = seconds, speed

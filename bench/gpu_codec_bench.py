@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.qwen3.models import fused_snake  # noqa: E402
 from engine.qwen3.models.codec import Code2Wav  # noqa: E402
 
 # speech_tokenizer decoder_config of the released 12 Hz tokenizer (research/baseline.md)
@@ -230,7 +229,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--frames", default="1,2,4,8,25")
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--snake", default="fused", help="SnakeBeta variants to time: fused, eager or both")
     ap.add_argument("--steps", type=int, default=20, help="timed graph replays per bucket")
     ap.add_argument(
         "--cudnn-benchmark",
@@ -256,20 +254,14 @@ def main() -> None:
     frames = [int(x) for x in args.frames.split(",")]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     results: list[dict[str, Any]] = []
-    variants = [
-        (d, s, c)
-        for d in args.dtypes.split(",")
-        for s in args.snake.split(",")
-        for c in args.cudnn_benchmark.split(",")
-    ]
-    for name, snake, autotune in variants:
-        fused_snake.enabled = snake == "fused"
+    variants = [(d, c) for d in args.dtypes.split(",") for c in args.cudnn_benchmark.split(",")]
+    for name, autotune in variants:
         torch.backends.cudnn.benchmark = autotune == "on"
         dtype = DTYPES[name]
         model = build(dtype, max(batches) + 1)
         params = sum(p.numel() for p in model.parameters())
         print(
-            f"\n== {name}, {snake} SnakeBeta, cuDNN autotuning {autotune}: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot"
+            f"\n== {name}, cuDNN autotuning {autotune}: {params / 1e6:.1f} M params, stream state {model.state_bytes_per_slot() / 2**20:.2f} MiB/slot"
         )
         if args.kernel_ops:
             print_kernel_ops(model, *(int(v) for v in args.kernel_ops.split("x")))
@@ -291,7 +283,6 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 row.update(
                     dtype=name,
-                    snake=snake,
                     cudnn_benchmark=autotune,
                     wall_s=round(time.perf_counter() - t0, 1),
                     peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),

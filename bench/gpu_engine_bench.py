@@ -66,14 +66,14 @@ def build(args: argparse.Namespace, max_batch: int) -> tuple[Runner, object]:
         codec,
         cfg,
         RunnerConfig(
-            num_slots=max_batch,
             max_len=args.max_len,
-            codec_slots=max_batch,
-            max_batch=max_batch,
             kv_buckets=tuple(args.kv_buckets),
-            max_codec_batch=min(max_batch, args.max_codec_batch),
+            max_codec_batch=args.max_codec_batch,
             enforce_eager=args.eager,
         ),
+        num_slots=max_batch,
+        codec_slots=max_batch,
+        max_batch=max_batch,
     )
     return runner, cfg
 
@@ -95,17 +95,17 @@ def sync(runner: Runner) -> None:
 
 
 def run_batch(runner: Runner, cfg, args: argparse.Namespace, b: int) -> dict:
-    layout = KVCacheLayout(runner.config.num_slots, args.max_len, runner.kv_bytes_per_token)
+    layout = KVCacheLayout(runner.num_slots, args.max_len, runner.kv_bytes_per_token)
     sched = Scheduler(
         SchedulerConfig(
-            max_batch=runner.config.max_batch,
-            codec_slots=runner.config.codec_slots,
+            max_batch=runner.max_batch,
+            codec_slots=runner.codec_slots,
             max_tokens_per_step=max(512, b + args.prompt),
-            max_codec_rows=runner.config.max_codec_batch,
+            max_codec_rows=runner.max_codec_batch,
             queue_limit=0,
-            codec_delivery_steps=int(runner.defers_codec),
         ),
         KVCacheManager(layout),
+        codec_delivery_steps=int(runner.defers_codec),
     )
     hidden = cfg.talker.hidden_size
     t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def time_replay(runner: Runner, key: tuple, iters: int = 20, position: int | Non
         return float("nan")
     runner._reset_static_inputs()
     b = int(key[1])
-    if key[0] in ("decode", "sample") and b <= runner.config.num_slots:
+    if key[0] in ("decode", "sample") and b <= runner.num_slots:
         meta = runner.d_meta if key[0] == "decode" else runner.s_meta
         meta[0, :b] = torch.arange(b, device=runner.device)
         if key[0] == "decode":
@@ -181,7 +181,7 @@ def breakdown(runner: Runner, b: int) -> dict:
 
     bb = bucket_for(b, runner.batches) or b
     k = runner.kv_buckets[-1]
-    cb = bucket_for(min(b, runner.config.max_codec_batch), runner.codec_batches)
+    cb = bucket_for(min(b, runner.max_codec_batch), runner.codec_batches)
     return dict(
         talker_ms=time_replay(runner, ("decode", bb, k)),  # every row at the last position
         talker_ms_mid=time_replay(runner, ("decode", bb, k), position=runner.config.max_len // 2),

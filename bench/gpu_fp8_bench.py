@@ -259,7 +259,7 @@ def engine_figures(args: argparse.Namespace, name: str) -> dict:
     runner, cfg = engine_bench.build(eargs, max(args.engine_batches))
     # graphs only for the measured batch sizes (others pad up to them), to keep capture short
     runner.batches = sorted(set(args.engine_batches))
-    runner.codec_batches = sorted({1, runner.config.max_codec_batch})
+    runner.codec_batches = sorted({1, runner.max_codec_batch})
     captured = runner.capture()
     built = time.perf_counter() - t0
     rows = []

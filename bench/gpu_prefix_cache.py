@@ -33,6 +33,8 @@ from engine.api import SynthesisRequest, TextSegment  # noqa: E402
 from engine.qwen3.codec_state_cache import CodecStateCache  # noqa: E402
 from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig, _Voice  # noqa: E402
 from engine.qwen3.prefix_cache import PrefixKVCache  # noqa: E402
+from engine.qwen3.runner import RunnerConfig  # noqa: E402
+from engine.qwen3.scheduler import SchedulerConfig  # noqa: E402
 
 REFERENCE_TEXT = (
     "Thanks for calling back. I looked at the order this morning, and the replacement part "
@@ -118,16 +120,18 @@ async def run(args: argparse.Namespace) -> list[dict]:
         args.device,
         dtype,
         Qwen3EngineConfig(
-            max_streams=top,
+            scheduler=SchedulerConfig(
+                codec_slots=top,
+                max_batch=args.max_batch,
+                max_codec_rows=args.max_batch,
+                max_tokens_per_step=args.max_tokens_per_step,
+                queue_limit=top,
+                codec_frame_buckets=tuple(args.codec_frame_buckets),
+            ),
+            runner=RunnerConfig(max_len=args.max_len, enforce_eager=args.device == "cpu"),
             kv_slots=top,
-            max_len=args.max_len,
-            max_batch=args.max_batch,
-            max_tokens_per_step=args.max_tokens_per_step,
-            queue_limit=top,
-            enforce_eager=args.device == "cpu",
             progress_bar=False,
             prefix_cache_bytes=args.cache_bytes,
-            codec_frame_buckets=tuple(args.codec_frame_buckets),
         ),
     )
     cache, codec_states = engine.prefix_cache, engine.runner.codec_states

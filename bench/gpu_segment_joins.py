@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 from engine.api import Overloaded, SynthesisRequest, TextSegment, WordTiming  # noqa: E402
 from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig, Qwen3Stream, share_frames  # noqa: E402
 from engine.qwen3.request import SAMPLE_RATE, SAMPLES_PER_FRAME  # noqa: E402
+from engine.qwen3.runner import RunnerConfig  # noqa: E402
+from engine.qwen3.scheduler import SchedulerConfig  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.segmenter import UtteranceText  # noqa: E402
 
@@ -318,13 +320,15 @@ def build_engine(args: argparse.Namespace, top: int) -> Qwen3Engine:
             args.device,
             dtype,
             Qwen3EngineConfig(
-                max_streams=top,
+                scheduler=SchedulerConfig(
+                    codec_slots=top,
+                    queue_limit=top,
+                    max_batch=batch,
+                    max_codec_rows=batch,
+                    max_tokens_per_step=batch + 512,
+                ),
+                runner=RunnerConfig(max_len=args.max_len, enforce_eager=args.device == "cpu"),
                 kv_slots=top,
-                queue_limit=top,
-                max_len=args.max_len,
-                max_batch=batch,
-                max_tokens_per_step=batch + 512,
-                enforce_eager=args.device == "cpu",
                 progress_bar=not args.quiet,
             ),
         )
@@ -376,8 +380,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "level_timeout_s": args.level_timeout,
         "engine": {
             "max_streams": engine.econfig.max_streams,
-            "max_batch": engine.econfig.max_batch,
-            "max_len": engine.econfig.max_len,
+            "max_batch": engine.econfig.scheduler.max_batch,
+            "max_len": engine.econfig.runner.max_len,
             "voice": VOICE,
         },
         "load_s": built_s,

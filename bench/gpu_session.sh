@@ -10,20 +10,10 @@
 #   . bench/gpu_env.sh && bench/gpu_session.sh 6    # two GPUs: the 1.7B sweep to C=640 on one;
 #                                                         Code2Wav's cost per (rows, frames) and tests
 #                                                         on the other (the scheduler's cost model)
-#   . bench/gpu_env.sh && bench/gpu_session.sh 7    # two GPUs: the 1.7B sweep with --codec-overlap
-#                                                         on one; tests, FP8 (200 frames, a sweep) and
-#                                                         the prefix caches on the other
 #   . bench/gpu_env.sh && bench/gpu_session.sh 8    # two GPUs: the default 1.7B sweep to C=640 on
 #                                                         one; Code2Wav's kernels (plain and compiled
 #                                                         by inductor) and the GPU tests on the other
-#   . bench/gpu_env.sh && bench/gpu_session.sh 9    # two GPUs: the sweep with urgent Code2Wav
-#                                                         chunks on one and off on the other; Code2Wav's
-#                                                         costs, kernels and the tests before the second
-#   . bench/gpu_env.sh && bench/gpu_session.sh 10   # two GPUs: only the two sweeps at once, urgent
-#                                                         chunks off (the default) and on
 #   . bench/gpu_env.sh && bench/gpu_session.sh 11   # one GPU: the default sweep alone
-#   . bench/gpu_env.sh && bench/gpu_session.sh 12   # two GPUs: the default sweep beside the
-#                                                         --codec-overlap one; stream and figure tests
 #   . bench/gpu_env.sh && bench/gpu_session.sh 13   # two GPUs: the default sweep alone on one; the
 #                                                         stream, figure and graph tests on the other
 #   . bench/gpu_env.sh && bench/gpu_session.sh 14   # two GPUs: the default sweep (py-spy at C=512) on
@@ -33,16 +23,9 @@
 #                                                         one; early frames off on the other (C=256,384)
 #   . bench/gpu_env.sh && bench/gpu_session.sh 16   # two GPUs: the default sweep (py-spy at C=512) on
 #                                                         one; every GPU test, then C=576,640 on the other
-#   . bench/gpu_env.sh && bench/gpu_session.sh 17   # two GPUs: the default sweep (py-spy at C=512) on
-#                                                         one; every GPU test, then the sweep with prompts
-#                                                         built at the step's start (--prepare-on-step,
-#                                                         a flag of def702b only: since then they always are)
-#   . bench/gpu_env.sh && bench/gpu_session.sh 18   # two GPUs: the default sweep (py-spy at C=512) on
-#                                                         one; every GPU test, then the sweep with a wider
-#                                                         early-frame margin (safety_margin_s=0.4) on the other
 #   . bench/gpu_env.sh && bench/gpu_session.sh 19   # two GPUs: the default sweep (py-spy at C=512) on
-#                                                         one; every GPU test, then the sweep with the
-#                                                         former early-frame margin (safety_margin_s=0.1)
+#                                                         one; every GPU test, then the sweep with a
+#                                                         narrower early-frame margin (safety_margin_s=0.1)
 #   . bench/gpu_env.sh && bench/gpu_session.sh 20   # two GPUs: the default sweep on one; the same with
 #                                                         full collections ten times rarer in the gateway
 #                                                         (CADENCE_GC_FULL_AFTER=100) on the other
@@ -127,20 +110,6 @@ case "${1:-}" in
        --dtypes bf16 --steps 10 --json "$OUTDIR/codec-shapes.json") &
     wait
     ;;
-  7)  # two GPUs: the 1.7B sweep with Code2Wav overlapping the talker on GPU 0; on GPU 1 the GPU
-      # tests beside FP8's greedy agreement over 200 frames, the prefix caches, an FP8 sweep
-    sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" SERVE_ARGS="--codec-overlap" \
-       run 570 e2e bash bench/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 150 gpu-tests $PY -m pytest tests/engine/qwen3/gpu -q -p no:cacheprovider &
-     run 170 fp8 $PY bench/gpu_fp8_bench.py --out "$OUTDIR/fp8.json" --variants talker --frames 200 --rows 4 \
-       --engine-batches
-     wait
-     run 110 prefix-cache $PY bench/gpu_prefix_cache.py --checkpoint "$CKPT" --codec-frame-buckets 1 2 4
-     SERVE_ARGS="--dtype fp8" PORT=8766 TAG=1.7b-fp8 CONC="${CONC_FP8:-256,384}" run 290 e2e-fp8 bash bench/gpu_bench_e2e.sh) &
-    wait
-    ;;
   8)  # two GPUs: the 1.7B sweep as served by default on GPU 0; Code2Wav kernels and the GPU tests on GPU 1
     sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512,640}" run 570 e2e bash bench/gpu_bench_e2e.sh) &
@@ -150,48 +119,16 @@ case "${1:-}" in
      run 150 gpu-tests $PY -m pytest tests/engine/qwen3/gpu -q -p no:cacheprovider) &
     wait
     ;;
-  9)  # two GPUs: urgent chunks off, the default (GPU 0), and on (GPU 1) side by side; before the second sweep,
-      # Code2Wav's graph costs and kernels and the GPU tests on GPU 1
-    sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 560 e2e bash bench/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     run 120 codec-shapes $PY bench/gpu_codec_bench.py --batches 1,8,32,64 --frames 1,4,25 --dtypes bf16 \
-       --steps 10 --json "$OUTDIR/codec-shapes.json"
-     TAIL=40 run 60 codec-profile $PY bench/gpu_codec_bench.py --batches 64 --frames 1,4 --dtypes bf16 --steps 5 --profile
-     run 100 gpu-tests $PY -m pytest tests/engine/qwen3/gpu -q -p no:cacheprovider
-     SERVE_ARGS="--scheduler urgent_codec_chunks=true" PORT=8766 TAG=1.7b-urgent CONC="${CONC_B:-256,384,512}" \
-       run 300 e2e-urgent bash bench/gpu_bench_e2e.sh) &
-    wait
-    ;;
-  10)  # two GPUs, two sweeps at once: urgent Code2Wav chunks off, the default (GPU 0), and on (GPU 1)
-    sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,512}" run 570 e2e bash bench/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     SERVE_ARGS="--scheduler urgent_codec_chunks=true" PORT=8766 TAG=1.7b-urgent CONC="${CONC_B:-256,512}" \
-       run 570 e2e-urgent bash bench/gpu_bench_e2e.sh) &
-    wait
-    ;;
   11)  # one GPU, nothing beside it: the default sweep (start-up about 4 min of the 10)
     POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
     CONC="${CONC:-1,256,384,512}" run 540 e2e bash bench/gpu_bench_e2e.sh
-    ;;
-  12)  # two GPUs: the default sweep (GPU 0) beside the --codec-overlap sweep (GPU 1, prioritised
-       # talker stream); then the GPU tests of the streams and the stage figures on GPU 1
-    POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
-    (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 540 e2e bash bench/gpu_bench_e2e.sh) &
-    (export CUDA_VISIBLE_DEVICES=1
-     SERVE_ARGS="--codec-overlap" PORT=8766 TAG=1.7b-overlap CONC="${CONC_B:-256,384,512}" \
-       run 450 e2e-overlap bash bench/gpu_bench_e2e.sh
-     run 80 gpu-tests $PY -m pytest -q tests/engine/qwen3/gpu/test_codec_overlap.py tests/engine/qwen3/gpu/test_stage_figures.py \
-       tests/engine/qwen3/gpu/test_step_syncs.py) &
-    wait
     ;;
   13)  # two GPUs: the default sweep alone on GPU 0; the GPU tests of the streams, the stage figures
        # and graph == eager on GPU 1 (light on the host's CPU)
     POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 540 e2e bash bench/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1
-     run 300 gpu-tests $PY -m pytest -q tests/engine/qwen3/gpu/test_codec_overlap.py tests/engine/qwen3/gpu/test_stage_figures.py \
+     run 300 gpu-tests $PY -m pytest -q tests/engine/qwen3/gpu/test_first_chunk_lane.py tests/engine/qwen3/gpu/test_stage_figures.py \
        tests/engine/qwen3/gpu/test_step_syncs.py tests/engine/qwen3/gpu/test_graphs.py) &
     wait
     ;;
@@ -219,21 +156,12 @@ case "${1:-}" in
        # every GPU test, then the same server past 512 streams
     beside_default past-512 576,640
     ;;
-  17)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test,
-       # then the same sweep with new text's prompts built at each step's start instead of on a thread
-    beside_default prepare-on-step 256,512 --prepare-on-step
-    ;;
-  18)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test, then
-       # the sweep with frames decoded in their own step while the listener has under 0.4 s left
-       # (simulated: streams underrunning at 512 1.52 -> 0.68 %; deploy/bench/sim-tenth-underrun-512.txt)
-    beside_default margin-0.4 256,512 "--scheduler safety_margin_s=0.4"
-    ;;
   19)  # two GPUs, one build: the default sweep on GPU 0 (py-spy at C=512); on GPU 1 every GPU test, then
-       # the sweep with the former early-frame margin of 0.1 s (the default is 0.4 s since part 18)
+       # the sweep with a narrower early-frame margin of 0.1 s (the default is 0.4 s)
     beside_default margin-0.1 384,512 "--scheduler safety_margin_s=0.1"
     ;;
   20)  # two GPUs, one build, no profiler: the default sweep on GPU 0; on GPU 1 the same with the
-       # gateway's full collections ten times rarer (each paused every stream for 90-170 ms at 512)
+       # gateway's full collections ten times rarer (each one pauses every stream)
     POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
     (export CUDA_VISIBLE_DEVICES=0; CONC="${CONC:-1,256,384,512}" run 560 e2e bash bench/gpu_bench_e2e.sh) &
     (export CUDA_VISIBLE_DEVICES=1 CADENCE_GC_FULL_AFTER=100
@@ -249,5 +177,5 @@ case "${1:-}" in
     POINT_SECONDS="${POINT_SECONDS:-10}" sweep_setup
     SERVE_ARGS="--gpus 2" TAG=1.7b-gpus-2 CONC="${CONC:-512,768,1024,1216}" run 560 e2e-gpus-2 bash bench/gpu_bench_e2e.sh
     ;;
-  *) echo "usage: bench/gpu_session.sh 1|2|...|22"; exit 2 ;;
+  *) echo "usage: bench/gpu_session.sh 1-6|8|11|13-16|19-22"; exit 2 ;;
 esac

@@ -77,10 +77,7 @@ def plan_digest(plan: StepPlan, outs: list[Any]) -> bytes:
         repr(plan.prefill),
         repr(plan.first_audio_now),
         plan.audio_in_flight,
-        [
-            (c.request_id, c.codec_slot, c.first_frame, len(c.codes), c.first_chunk, c.urgent)
-            for c in plan.codec
-        ],
+        [(c.request_id, c.codec_slot, c.first_frame, len(c.codes), c.first_chunk) for c in plan.codec],
         plan.freed_kv_slots,
         plan.codec_resets,
         [

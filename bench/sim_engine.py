@@ -11,48 +11,33 @@ the load test's PlaybackClock (150 ms buffer), so TTFA, RTF and underruns mean w
 reports, at the engine's edge (no gateway, no network). Step figures are means over the measured
 window (after `--warmup`).
 
-The cost model defaults to the H200 figures of deploy/bench (`--preset`, or `--costs` JSON with
-Costs' fields): Code2Wav per (rows, frames) from every graph shape the engine replays
-(`h200-codec-shapes.json`, written by `bench/gpu_session.sh 6`), interpolated, times the preset's
-`codec_scale` (`--codec-scale`) and, where a preset names one, the speed-up measured since on fewer
+The cost model (`--preset`, or `--costs` JSON with Costs' fields) comes from H200 measurements in
+deploy/bench: Code2Wav per (rows, frames) from every graph shape the engine replays
+(`h200-codec-shapes.json`, `bench/gpu_session.sh 6`), interpolated, times the preset's `codec_scale`
+(`--codec-scale`) and, where a preset names one, a newer Code2Wav's ratio to that table on fewer
 shapes; talker decode and sampling per row, and the host term, per preset:
 
-- `h200-batched-prompts` (default): fitted to the sweep with prompts built in one batch at each
-  step's start (`h200-e2e-1.7b-batched-prompts.json`, def702b, C=256 / 512): decode 2.21 + 0.00595
-  ms a row and sampling 3.68 + 0.01158 (its stage figures: 3.7 / 5.1 and 6.5 / 9.4 ms at 248 / 493
-  rows); Code2Wav the table times its speed-up with the fused transformer
-  (`h200-codec-fused-transformer.json`, 0.54-0.77 by shape), scale 1.0; no host term (the GPU
-  gaps, 2.5 / 2.8 ms, about cancel the first-chunk lane's Code2Wav, which overlaps the step).
-  Simulated (4 seeds, medians) against measured: step 22.7 / 35.2 ms (22.5 / 34.2), Code2Wav
-  12.4 / 20.5 ms a step (replays 12.4 / 21.0) in 4.2 / 5.2 launches (4.0 / 5.2), the engine's chunk
-  leads p1 54 / 38 ms (54 / 39.5) and p50 560 / 600 ms (568 / 625); with `--request-ms 5
-  --delivery-base-ms 5` TTFA p50 / p90 44 / 54 ms at C=256 (40 / 57) and 64 / 86 ms at C=512 (68 /
-  126: the measured tail at 512 comes after the engine; `--gateway-us-per-packet 14`, the gateway's
-  CPU per packet there, gives 85 / 128). Underruns: file `sim-tenth-underrun-512.txt`.
-- `h200-fused-layers`: decode and sampling fitted to the stage figures of the sweep with
-  fused decoder layers (`h200-e2e-1.7b-fused-layers.json`, C=256-512: decode 3.3-6.3 ms, sampling
-  6.7-9.6 ms for 247-501 rows), the host term to its step: the simulated step 31 / 46 / 62 ms at
-  C=256 / 384 / 512 (measured 30 / 47 / 61), RTF p50 0.40 / 0.58 / 0.78 (0.41 / 0.59 / 0.72). The
-  simulated Code2Wav (the table times 1.06) is 15-35 % above that run's replay time and the host
-  term (0 / 5 / 10 ms) below its GPU gaps (4 / 15 / 21 ms); the step, which sets TTFA and the
-  listeners' lead, is what matches.
-- `h200-eager-layers`: the sixth session's sweep (unfused layers), host 5 ms a step. With that
-  sweep's scheduler (`--set max_now_frame_rows=0`) it gives RTF p50 0.79 and a 63 ms step at C=512
-  (measured 0.78) and, with the delivery delay below, its streams with an underrun (2.4 / 6.9 / 22 %
-  at C=256 / 384 / 512; measured 3.5 / 6.4 / 19 %, most of them in the first second of audio).
+- `h200-batched-prompts` (default): fitted to the stage figures of the sweep with each step's
+  prompts built in one batch at its start (`h200-e2e-1.7b-batched-prompts.json`); Code2Wav with
+  the fused pre-transformer (`h200-codec-fused-transformer.json`); no host term, since the GPU's
+  gaps between stages about cancel the first-chunk lane's Code2Wav, which overlaps the step.
+- `h200-fused-layers`: fitted to the sweep with fused decoder layers
+  (`h200-e2e-1.7b-fused-layers.json`), the host term fitted to its step.
+- `h200-eager-layers`: fitted to a sweep with the decoder layers on eager ops, a fixed host term.
+
+Each preset is fitted so that the simulated step, which sets TTFA and the listeners' lead, matches
+the measured one; the parts of it (Code2Wav, the host's share) may differ.
 
 Underruns come out far lower than measured without a delivery delay (no gateway, network or GPU
 jitter here), so compare them between policies, not with a GPU run. Delays after the engine:
-`--delivery-base-ms` and `--delivery-jitter-ms` (exponential, per delivery; 20 and 30 fitted the
-sixth session's underruns); `--gateway-us-per-packet`, the gateway sending each step's audio one
-stream after another, in the runner's order, behind what it had left; `--stall-ms` /
-`--stalls-per-s`, pauses of everything after the engine (400 ms, 0.06 times a second: 1.5 % of
-streams underrun at C=512, the first at 0.32 s of audio; measured there 1.74 % and 0.32 s; the same
-pauses at C=256 give 0.8 %, measured 0). `--request-ms`: a closed-loop client's next request
-reaches the engine this long after it is sent (when the last audio of the one before reached it),
-so requests arrive inside steps as on a GPU; TTFA and RTF count from the send. `--schedule` sets
-the requests' chunk schedule; `--explain` prints which delivery came late at each stream's first
-underrun and the engine's lead per delivery. `--seed` varies arrivals, lengths, jitter and stalls.
+`--delivery-base-ms` and `--delivery-jitter-ms` (exponential, per delivery);
+`--gateway-us-per-packet`, the gateway sending each step's audio one stream after another, in the
+runner's order, behind what it had left; `--stall-ms` / `--stalls-per-s`, pauses of everything after
+the engine. `--request-ms`: a closed-loop client's next request reaches the engine this long after
+it is sent (when the last audio of the one before reached it), so requests arrive inside steps as
+on a GPU; TTFA and RTF count from the send. `--schedule` sets the requests' chunk schedule;
+`--explain` prints which delivery came late at each stream's first underrun and the engine's lead
+per delivery. `--seed` varies arrivals, lengths, jitter and stalls.
 
     .venv/bin/python -m bench.sim_engine --streams 256,384,512 --seconds 30
 """
@@ -101,17 +86,17 @@ class Costs:
     host_ms: float = 0.0
     host_us_per_row: float = 40.0
     host_rows_overlapped: int = 260
-    # Code2Wav's speed-up since the table was measured, rows -> frames -> (now / table), measured on
-    # fewer shapes than the table (interpolated like it); empty: none
+    # a newer Code2Wav's time over the table's, rows -> frames -> ratio, on fewer shapes than the
+    # table (interpolated like it); empty: none
     codec_speedup: dict[int, dict[int, float]] = field(default_factory=dict)
-    codec_scale: float = 1.06  # Code2Wav in the engine over the isolated bench (calibrated, see above)
+    codec_scale: float = 1.06  # Code2Wav in the engine over the isolated bench (fitted per preset)
 
     def codec_ms(self, rows: int, frames: int) -> float:
         """The table's (the isolated bench's) Code2Wav time of one launch."""
         return _interpolate(self.codec, rows, frames)
 
     def launch_ms(self, rows: int, frames: int) -> float:
-        """One Code2Wav launch as the simulation charges it: the table's time times the speed-up."""
+        """One Code2Wav launch as the simulation charges it: the table's time times the ratio."""
         ms = self.codec_scale * self.codec_ms(rows, frames)
         return ms * _interpolate(self.codec_speedup, rows, frames) if self.codec_speedup else ms
 
@@ -120,8 +105,8 @@ class Costs:
 
 
 # talker and sampling costs and the host term of each calibration (see the module's docstring);
-# `codec_since`: a bench/gpu_codec_bench.py --json file of the current Code2Wav, on fewer shapes
-# than the table, whose ratio to the table is the speed-up (Costs.codec_speedup)
+# `codec_since`: a bench/gpu_codec_bench.py --json file of a newer Code2Wav, on fewer shapes than
+# the table, whose ratio to the table is Costs.codec_speedup
 PRESETS: dict[str, dict[str, Any]] = {
     "h200-batched-prompts": {
         "decode": (2.21, 0.00595),
@@ -218,17 +203,16 @@ class Simulation:
             max_codec_rows=streams,
             queue_limit=streams,
             max_tokens_per_step=streams + 512,
-            codec_delivery_steps=1,
         )
         if args.merge_below is not None:
             config.merge_codec_groups_below = args.merge_below
         if args.smooth is not None:
             config.codec_frames_over_production = args.smooth
         try:
-            config.override(args.set or [])  # --set urgent_codec_chunks=true
+            config.override(args.set or [])  # --set max_early_codec_rows=96
         except ValueError as e:
             raise SystemExit(f"--set: {e}") from e
-        self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now)
+        self.sched = Scheduler(config, KVCacheManager(layout), clock=lambda: self.now, codec_delivery_steps=1)
         self.schedule = _chunk_schedule(getattr(args, "schedule", None))
         self.request_s = getattr(args, "request_ms", 0.0) / 1000
         rate = getattr(args, "stalls_per_s", 0.0)
@@ -296,9 +280,9 @@ class Simulation:
         }
         sampled = len(plan.sampling_rows)
         ms["sample"] = self.costs.sample[0] + self.costs.sample[1] * sampled if sampled else 0.0
-        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk or c.urgent]
+        now_chunks = [(c.num_frames, 0) for c in plan.codec if c.first_chunk]
         now_chunks += [(1, 0)] * len(plan.first_audio_now)
-        later_chunks = [(c.num_frames, 0) for c in plan.codec if not (c.first_chunk or c.urgent)]
+        later_chunks = [(c.num_frames, 0) for c in plan.codec if not c.first_chunk]
         now_launches, later_launches = codec_launches(now_chunks), codec_launches(later_chunks)
         ms["codec_now"], ms["codec_later"] = self._codec_ms(now_launches), self._codec_ms(later_launches)
         host_ms = self.costs.host_step_ms(sampled)
@@ -316,17 +300,13 @@ class Simulation:
             self.step_ms += step_ms
         self.now += step_ms / 1000
         # this step's first chunks arrive now; the previous step's later chunks too
-        # in the runner's order: the previous step's later chunks, then this step's first and urgent
-        # chunks, then the frames decoded in this step
+        # in the runner's order: the previous step's later chunks, then this step's first chunks,
+        # then the frames decoded in this step
         kinds = [(rid, n, "later") for rid, n in self.deferred]
-        kinds += [
-            (c.request_id, c.num_frames, "first" if c.first_chunk else "urgent")
-            for c in plan.codec
-            if c.first_chunk or c.urgent
-        ]
+        kinds += [(c.request_id, c.num_frames, "first") for c in plan.codec if c.first_chunk]
         kinds += [(f.request_id, 1, "now_frame" if f.frame else "first") for f in plan.first_audio_now]
         delivered = [(rid, n) for rid, n, _ in kinds]
-        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not (c.first_chunk or c.urgent)]
+        self.deferred = [(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk]
         self._note_deliveries(kinds)
         codes = [[7] * 16 for _ in plan.sampling_rows]
         frames: dict[str, int] = defaultdict(int)
@@ -346,7 +326,7 @@ class Simulation:
 
     def _note_deliveries(self, kinds: list[tuple[str, int, str]]) -> None:
         """What each stream gets in this step: its chunk count so far, the kinds (first chunk, frame
-        decoded in its own step, later chunk collected a step after launch, urgent), frames, and the
+        decoded in its own step, later chunk collected a step after launch), frames, and the
         engine's lead (against its own first audio, as engine.qwen3.delivery_leads counts it)."""
         self.delivery = {}
         for rid, n, kind in kinds:

@@ -43,9 +43,11 @@ sys.path.insert(0, str(ROOT))
 from engine.api import (  # noqa: E402
     PCM16_FULL_SCALE,
     AudioChunk,
+    ChunkListener,
     EngineInfo,
     EngineLoad,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     pcm16,
 )
@@ -119,7 +121,7 @@ class SleepRunner:
         return StepOutput(codes=codes, audio=audio)
 
 
-class _Stream:
+class _Stream(SynthesisStream):
     def __init__(self, engine: HostOnlyEngine, request: SynthesisRequest) -> None:
         self.request_id = request.request_id
         self.engine = engine
@@ -137,6 +139,10 @@ class _Stream:
     def cancel(self) -> None:
         self.engine.core.abort(self.request_id)
         self.channel.close()
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self.channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()

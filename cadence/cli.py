@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from cadence.engines import ENGINES, EngineOptions
 
@@ -14,116 +15,217 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"CADENCE_{name.upper()}", default)
 
 
+def _option(
+    p: argparse.ArgumentParser, flag: str, help: str, *, env: str, shown: str | None = None, **kw: Any
+) -> None:
+    """A flag whose help names its variable and its default (`shown`, else the value it takes)."""
+    default = "%(default)s" if shown is None else shown
+    p.add_argument(flag, help=f"{help} [{env}; default: {default}]", **kw)
+
+
+def _switch(
+    p: argparse.ArgumentParser, flag: str, help: str, *, env: str, off: bool = False, **kw: Any
+) -> None:
+    """An on/off flag: `--x` turns on what is off (its variable =1), `--no-x` turns off what is on
+    (its variable =0). The help says whether the flag is in effect when not given."""
+    name = env.removeprefix("CADENCE_")
+    if off:
+        default = _env(name, "1") != "0"
+        text = f"{help} [{env}=0; default: {'off' if default else 'on'}]"
+        p.add_argument(flag, action="store_false", default=default, help=text, **kw)
+    else:
+        default = _env(name, "0") == "1"
+        text = f"{help} [{env}=1; default: {'on' if default else 'off'}]"
+        p.add_argument(flag, action="store_true", default=default, help=text, **kw)
+
+
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cadence serve", description="Run the speech gateway.")
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("port", "8000") or 8000))
-    p.add_argument("--engine", choices=ENGINES, default=_env("engine", "espeak"))
-    p.add_argument("--model", default=_env("model", None), help="Qwen3-TTS checkpoint directory")
-    p.add_argument("--aligner", default=_env("aligner", None), help="Qwen3-ForcedAligner directory")
-    p.add_argument("--device", default=_env("device", "auto"))
-    p.add_argument(
+    p = argparse.ArgumentParser(
+        prog="cadence serve",
+        description="Run the speech gateway. Every flag can also be set by the environment variable in its "
+        "brackets; a flag on the command line wins.",
+    )
+    _option(
+        p,
+        "--host",
+        "listen address (a non-loopback one needs API keys or --insecure)",
+        env="CADENCE_HOST",
+        default=_env("host", "127.0.0.1"),
+    )
+    _option(
+        p, "--port", "listen port", env="CADENCE_PORT", type=int, default=int(_env("port", "8000") or 8000)
+    )
+    _option(
+        p,
+        "--engine",
+        "the speech engine (null: a tone generator for load tests)",
+        env="CADENCE_ENGINE",
+        choices=ENGINES,
+        default=_env("engine", "espeak"),
+    )
+    _option(
+        p,
+        "--model",
+        "Qwen3-TTS-12Hz checkpoint directory (--engine qwen3)",
+        env="CADENCE_MODEL",
+        shown="none",
+        default=_env("model", None),
+    )
+    _option(
+        p,
+        "--aligner",
+        "Qwen3-ForcedAligner directory: word times from the aligner",
+        env="CADENCE_ALIGNER",
+        shown="none",
+        default=_env("aligner", None),
+    )
+    _option(p, "--device", "auto, cpu, cuda or cuda:N", env="CADENCE_DEVICE", default=_env("device", "auto"))
+    _option(
+        p,
         "--dtype",
+        "fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9); "
+        "auto: bfloat16 on a GPU, float32 on the CPU",
+        env="CADENCE_DTYPE",
         default=_env("dtype", "auto"),
         choices=("auto", "float32", "bfloat16", "fp8"),
-        help="fp8: bf16 with the talker's decoder linears in FP8 (GPUs of compute capability >= 8.9)",
     )
-    p.add_argument("--eager", action="store_true", default=_env("eager", "0") == "1", help="no CUDA graphs")
-    p.add_argument(
-        "--codec-overlap",
-        action="store_true",
-        default=_env("codec_overlap", "0") == "1",
-        help="Code2Wav on a CUDA stream of its own, beside the next step's talker",
+    _switch(
+        p,
+        "--eager",
+        "no CUDA graphs (with them, a GPU engine captures its graphs at start-up)",
+        env="CADENCE_EAGER",
     )
-    p.add_argument(
-        "--no-first-chunk-lane",
-        dest="first_chunk_lane",
-        action="store_false",
-        default=_env("first_chunk_lane", "1") != "0",
-        help="decode first chunks after the step's later Code2Wav chunks, on one stream",
-    )
-    p.add_argument(
+    _switch(
+        p,
         "--no-fused-layers",
+        "the talker's and code predictor's layers on eager ops instead of the fused kernels (the one "
+        "kernel fallback: the smaller kernels fall back by themselves when their start-up check fails)",
+        env="CADENCE_FUSED_LAYERS",
+        off=True,
         dest="fused_layers",
-        action="store_false",
-        default=_env("fused_layers", "1") != "0",
-        help="talker and code predictor layers on eager ops instead of the fused kernels",
     )
-    p.add_argument(
+    _option(
+        p,
         "--scheduler",
+        "a setting of the Qwen3 engine's scheduler (engine.qwen3.scheduler.SchedulerConfig), e.g. "
+        "--scheduler max_early_codec_rows=96; repeatable (the variable: space-separated)",
+        env="CADENCE_SCHEDULER",
+        shown="none",
         action="append",
         metavar="FIELD=JSON",
         default=(_env("scheduler", "") or "").split(),
-        help="a setting of the Qwen3 engine's scheduler (engine.qwen3.scheduler.SchedulerConfig), e.g. "
-        "--scheduler urgent_codec_chunks=true (repeatable; the variable: space-separated)",
     )
-    p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
-    p.add_argument(
+    _option(
+        p,
+        "--max-streams",
+        "concurrent streams the engine admits (more queue, then overloaded)",
+        env="CADENCE_MAX_STREAMS",
+        type=int,
+        default=int(_env("max_streams", "256") or 256),
+    )
+    _option(
+        p,
         "--upstream",
+        "vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)",
+        env="CADENCE_UPSTREAM",
+        shown="none",
         default=_env("upstream", None),
-        help="vLLM-Omni server base URL for --engine vllm-omni (e.g. http://host:8091)",
     )
-    p.add_argument(
+    _option(
+        p,
         "--upstream-streams",
+        "concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs",
+        env="CADENCE_UPSTREAM_STREAMS",
         type=int,
         default=int(_env("upstream_streams", "8") or 8),
-        help="concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs",
     )
-    p.add_argument(
+    _switch(
+        p,
         "--upstream-word-timestamps",
-        action="store_true",
-        default=_env("upstream_word_timestamps", "0") == "1",
-        help="ask vLLM-Omni for aligned word times (server started with --forced-aligner)",
+        "ask vLLM-Omni for aligned word times (a server started with --forced-aligner)",
+        env="CADENCE_UPSTREAM_WORD_TIMESTAMPS",
     )
-    p.add_argument(
+    _option(
+        p,
         "--api-keys-file",
+        "hashed API keys, one per line (python -m gateway.auth new NAME); the keys "
+        "themselves may also come in CADENCE_API_KEYS",
+        env="CADENCE_API_KEYS_FILE",
+        shown="none",
         default=_env("api_keys_file", None),
-        help="hashed API keys, one per line (python -m gateway.auth new NAME); also CADENCE_API_KEYS",
     )
-    p.add_argument(
+    _option(
+        p,
         "--allowed-origins",
+        "comma-separated browser origins allowed to open WebSockets",
+        env="CADENCE_ALLOWED_ORIGINS",
+        shown="none",
         default=_env("allowed_origins", ""),
-        help="comma-separated browser origins allowed to open WebSockets",
     )
-    p.add_argument("--voices-dir", default=_env("voices_dir", None), help="where registered voices are kept")
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        default=_env("insecure", "0") == "1",
-        help="serve a non-loopback host without API keys",
+    _option(
+        p,
+        "--voices-dir",
+        "where registered voices are kept",
+        env="CADENCE_VOICES_DIR",
+        shown="none",
+        default=_env("voices_dir", None),
     )
-    p.add_argument(
+    _switch(p, "--insecure", "serve a non-loopback host without API keys", env="CADENCE_INSECURE")
+    _option(
+        p,
         "--gpus",
+        "'all' or N: one engine worker process per GPU behind this gateway; 0: the engine in this process",
+        env="CADENCE_GPUS",
+        shown="one worker for --engine qwen3 on a GPU",
         default=_env("gpus", None),
-        help="'all' or N: one engine worker process per GPU behind this gateway; 0: the engine "
-        "in this process (default: one worker for --engine qwen3 on a GPU)",
     )
-    p.add_argument(
+    _option(
+        p,
         "--redis",
+        "redis://HOST:PORT/DB: share voices, quotas and control with other replicas",
+        env="CADENCE_REDIS",
+        shown="none",
         default=_env("redis", None),
-        help="redis://HOST:PORT/DB: share voices, quotas and control with other replicas",
     )
-    p.add_argument(
+    _option(
+        p,
         "--replica-id",
+        "this replica's name in Redis",
+        env="CADENCE_REPLICA_ID",
+        shown="host:port",
         default=_env("replica_id", None),
-        help="this replica's name in Redis (default: host:port)",
     )
-    p.add_argument(
+    _option(
+        p,
         "--quota-sessions",
+        "open WebSocket sessions per API key (across replicas with --redis)",
+        env="CADENCE_QUOTA_SESSIONS",
         type=int,
         default=int(_env("quota_sessions", "100") or 100),
-        help="open WebSocket sessions per API key (across replicas with --redis)",
     )
-    p.add_argument(
+    _option(
+        p,
         "--quota-utterances",
+        "utterances in progress per API key",
+        env="CADENCE_QUOTA_UTTERANCES",
         type=int,
         default=int(_env("quota_utterances", "64") or 64),
-        help="utterances in progress per API key",
     )
-    p.add_argument(
-        "--quota-chars-per-minute", type=int, default=int(_env("quota_chars_per_minute", "100000") or 100000)
+    _option(
+        p,
+        "--quota-chars-per-minute",
+        "text characters per minute per API key",
+        env="CADENCE_QUOTA_CHARS_PER_MINUTE",
+        type=int,
+        default=int(_env("quota_chars_per_minute", "100000") or 100000),
     )
-    p.add_argument("--log-level", default=_env("log_level", "info"))
+    _option(
+        p,
+        "--log-level",
+        "debug, info, warning or error",
+        env="CADENCE_LOG_LEVEL",
+        default=_env("log_level", "info"),
+    )
     return p
 
 
@@ -148,8 +250,6 @@ def serve_main(argv: list[str]) -> int:
             device=args.device,
             dtype=args.dtype,
             eager=args.eager,
-            codec_overlap=args.codec_overlap,
-            first_chunk_lane=args.first_chunk_lane,
             fused_layers=args.fused_layers,
             max_streams=args.max_streams,
             scheduler=tuple(args.scheduler),
@@ -184,13 +284,34 @@ commands:
   serve   run the gateway (cadence serve --help)
   say     speak a text through a running gateway into a WAV file (cadence say --help)
   bench   the closed-loop load test / benchmark (cadence bench --help)
+
+  cadence --version   this release
 """
+
+
+def version() -> str:
+    """The installed release, or the checkout's (pyproject.toml) when run from a source tree."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        return metadata.version("cadence")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        if not pyproject.exists():
+            return "unknown"
+        return str(tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"cadence {version()}")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":

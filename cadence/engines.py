@@ -19,8 +19,6 @@ class EngineOptions:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "fp8" (bf16 + FP8 talker linears)
     eager: bool = False  # no CUDA graphs
-    codec_overlap: bool = False  # Code2Wav beside the talker on a CUDA stream of its own
-    first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks on a lane beside
     fused_layers: bool = True  # talker and code predictor layers through the fused kernels (CUDA bf16)
     max_streams: int = 256  # concurrent streams the engine admits
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
@@ -69,8 +67,8 @@ def build_worker_pool(options: EngineOptions) -> Engine:
 
 def default_gpus(options: EngineOptions, cuda_available: bool) -> str | None:
     """The Qwen3 engine on a GPU runs in a worker process unless told otherwise: its step thread then
-    shares no interpreter lock with the gateway's event loop (measured faster at 64 and 256 streams,
-    docs/deploy.md). An explicit device index keeps it in-process on that device."""
+    shares no interpreter lock with the gateway's event loop. An explicit device index keeps it
+    in-process on that device."""
     if options.gpus is not None:
         return None if options.gpus == "0" else options.gpus
     on_gpu = options.device == "cuda" or (options.device == "auto" and cuda_available)
@@ -115,52 +113,58 @@ def build_engine(options: EngineOptions) -> Engine:
             )
         )
     if options.name == "qwen3":
-        if not options.model:
-            raise SystemExit("--engine qwen3 needs --model DIR (a Qwen3-TTS-12Hz checkpoint directory)")
-        import torch
-
-        from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
-
-        device = options.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype_name = options.dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
-        fp8 = dtype_name == "fp8"
-        if fp8:
-            from engine.qwen3.models.fp8 import fp8_unsupported_reason
-
-            reason = fp8_unsupported_reason(device)
-            if reason:
-                raise SystemExit(f"--dtype fp8: {reason}")
-            dtype_name = (
-                "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
-            )
-        batch = min(512, options.max_streams)
-        if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
-            kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
-        else:
-            kv_budget = 2 << 30
-        config = Qwen3EngineConfig(
-            max_streams=options.max_streams,
-            max_batch=batch,
-            enforce_eager=options.eager or device == "cpu",
-            codec_overlap=options.codec_overlap,
-            first_chunk_lane=options.first_chunk_lane,
-            fused_layers=options.fused_layers,
-            scheduler_overrides=options.scheduler,
-            kv_budget_bytes=kv_budget,
-            # every decoding row takes one token of a step's budget: leave room for new prompts beside them
-            max_tokens_per_step=batch + 512,
-        )
-        engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
-        if fp8:  # before start(): the CUDA graphs are captured over the quantised layers
-            from engine.qwen3.models.fp8 import DEFAULT_TARGETS, quantize_talker
-
-            quantize_talker(engine.talker, DEFAULT_TARGETS)
-        return engine
+        return build_qwen3(options)
     raise SystemExit(f"unknown engine {options.name!r}; choose one of {', '.join(ENGINES)}")
+
+
+def build_qwen3(options: EngineOptions) -> Engine:
+    if not options.model:
+        raise SystemExit("--engine qwen3 needs --model DIR (a Qwen3-TTS-12Hz checkpoint directory)")
+    import torch
+
+    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+    from engine.qwen3.runner import RunnerConfig
+    from engine.qwen3.scheduler import SchedulerConfig
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype_name = options.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+    fp8 = dtype_name == "fp8"
+    if fp8:
+        from engine.qwen3.models.fp8 import fp8_unsupported_reason
+
+        reason = fp8_unsupported_reason(device)
+        if reason:
+            raise SystemExit(f"--dtype fp8: {reason}")
+        dtype_name = "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
+    batch = min(512, options.max_streams)
+    if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
+        kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    else:
+        kv_budget = 2 << 30
+    scheduler = SchedulerConfig(
+        codec_slots=options.max_streams,
+        max_batch=batch,
+        max_codec_rows=batch,
+        # every decoding row takes one token of a step's budget: leave room for new prompts beside them
+        max_tokens_per_step=batch + 512,
+    ).override(options.scheduler)
+    config = Qwen3EngineConfig(
+        scheduler=scheduler,
+        runner=RunnerConfig(
+            enforce_eager=options.eager or device == "cpu", fused_layers=options.fused_layers
+        ),
+        kv_budget_bytes=kv_budget,
+    )
+    engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
+    if fp8:  # before start(): the CUDA graphs are captured over the quantised layers
+        from engine.qwen3.models.fp8 import DEFAULT_TARGETS, quantize_talker
+
+        quantize_talker(engine.talker, DEFAULT_TARGETS)
+    return engine
 
 
 def with_aligner(engine: Engine, options: EngineOptions) -> Engine:

@@ -79,8 +79,24 @@ def say_main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     try:
         return asyncio.run(say(args, out or sys.stdout))
     except (ClientError, OSError, websockets.WebSocketException) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if _refused(exc):
+            print(
+                f"error: no gateway is listening at {args.url}\n"
+                "start one in another shell with `cadence serve` (or `scripts/serve` in a checkout), "
+                "or point --url at a running one",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _refused(exc: BaseException) -> bool:
+    """A connection nobody accepted: refused on the one address, or on every address of the host."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    text = str(exc)
+    return type(exc) is OSError and text.startswith("Multiple exceptions") and "Connect call failed" in text
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from aligner.api import AlignedWord, Aligner
 from engine.alignment_track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     Engine,
     EngineError,
     EngineInfo,
@@ -146,7 +147,7 @@ class AlignerWorker:
             return None
 
 
-class AlignedStream:
+class AlignedStream(SynthesisStream):
     """engine.api.SynthesisStream over the wrapped engine's stream, words from the aligner."""
 
     def __init__(
@@ -195,6 +196,10 @@ class AlignedStream:
             job.cancelled = True
         self._channel.close()
         self._pump.cancel()
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self._channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()

@@ -186,22 +186,6 @@ class InvalidAudio(InvalidRequest):
     code = "invalid_audio"
 
 
-@runtime_checkable
-class SynthesisStream(Protocol):
-    request_id: str
-
-    def push(self, segment: TextSegment) -> None:
-        """Queue more text; synthesis of it may begin at once."""
-
-    def close_text(self) -> None:
-        """No more text will come; the stream ends after the last segment's audio."""
-
-    def cancel(self) -> None:
-        """Stop now: no chunk is produced after the engine's next step; iteration ends."""
-
-    def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
-
-
 class ChunkListener(Protocol):
     """Takes one stream's items on its event loop, in order, in place of an iterating task."""
 
@@ -214,17 +198,36 @@ class ChunkListener(Protocol):
         """The stream failed (the error as the engine reported it)."""
 
 
-def listen(stream: SynthesisStream, listener: ChunkListener) -> bool:
-    """Have `stream` hand its chunks to `listener` on the event loop as they come, instead of
-    being iterated: no task and no future per chunk. False when it cannot (then iterate it). A
-    stream may offer `listen(listener) -> bool` itself; one whose `__aiter__` is a channel of
-    engine.bridge is listened to through the channel."""
-    own = getattr(stream, "listen", None)
-    if own is not None:
-        return bool(own(listener))
-    from engine.bridge import listen as listen_to_channel  # engine.bridge imports this module
+@runtime_checkable
+class SynthesisStream(Protocol):
+    """One request's stream. A class that subclasses this Protocol inherits the two optional
+    methods below (`listen` declines, `set_word_alignment` keeps the engine's own words)."""
 
-    return listen_to_channel(stream.__aiter__(), listener)
+    request_id: str
+
+    def push(self, segment: TextSegment) -> None:
+        """Queue more text; synthesis of it may begin at once."""
+
+    def close_text(self) -> None:
+        """No more text will come; the stream ends after the last segment's audio."""
+
+    def cancel(self) -> None:
+        """Stop now: no chunk is produced after the engine's next step; iteration ends."""
+
+    def listen(self, listener: ChunkListener) -> bool:
+        """Hand this stream's chunks to `listener` on the event loop as they come, instead of being
+        iterated: no task and no future per chunk. False when it cannot (then iterate it); call it
+        once, before iterating."""
+        return False
+
+    def set_word_alignment(self, mode: str) -> None:
+        """Where the words of an engine with a forced aligner come from: "async" (audio at once,
+        words when aligned), "sync" (audio held until its words are aligned) or "off" (the engine's
+        own words). Called right after open(), before the first chunk; an engine without an aligner
+        keeps its own words."""
+        return None
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
 
 
 @runtime_checkable

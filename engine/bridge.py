@@ -6,10 +6,12 @@ channels of one loop travel through one mailbox: a step that hands out a hundred
 loop once, not a hundred times (each wake-up is a write to the loop's self-pipe). A stream's first
 chunk is delivered ahead of the other streams' later ones: it is what a listener is waiting for.
 
-A consumer that forwards chunks (the engine worker process) can `listen()` instead of iterating:
-the channel then calls it on the loop as items arrive, with no task per stream. Such a consumer
-can also take the items on the engine thread itself (`deliver_on_producer_thread`): no loop
-wake-up, and no second thread contending for the GIL with the engine's step thread.
+A consumer that forwards chunks (the engine worker process, the gateway's session) can have a
+channel `listen()` instead of iterating it: the channel then calls the listener on the loop as
+items arrive, with no task per stream (a stream over a channel offers this as
+engine.api.SynthesisStream.listen). Such a consumer can also take the items on the engine thread
+itself (`deliver_on_producer_thread`): no loop wake-up, and no second thread contending for the
+GIL with the engine's step thread.
 """
 
 from __future__ import annotations
@@ -51,16 +53,6 @@ def _hand(listener: ChunkListener, item: object) -> bool:
     else:
         listener.end()
     return True
-
-
-def listen(iterator: object, listener: ChunkListener) -> bool:
-    """Have the channel behind `iterator` (what a stream's `__aiter__` returned) hand its items to
-    `listener`; False when it is not one of this module's channels (then iterate it)."""
-    channel = iterator.channel if isinstance(iterator, _ChannelIterator) else iterator
-    if isinstance(channel, ChunkChannel | LoopChunkChannel):
-        channel.listen(listener)
-        return True
-    return False
 
 
 def deliver_on_producer_thread(loop: asyncio.AbstractEventLoop, after_batch: Callable[[], None]) -> None:

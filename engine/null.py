@@ -30,12 +30,14 @@ import numpy.typing as npt
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
     InvalidRequest,
     Overloaded,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     WordTiming,
 )
@@ -85,7 +87,7 @@ def estimate_words(segment: TextSegment, start_sample: int) -> tuple[list[WordTi
     return words, cursor - start_sample
 
 
-class NullStream:
+class NullStream(SynthesisStream):
     def __init__(self, engine: NullEngine, request: SynthesisRequest, order: int) -> None:
         self.request_id = request.request_id
         self._engine = engine
@@ -124,6 +126,10 @@ class NullStream:
         self.done = True
         self._channel.close()
         self._engine._streams.pop(self, None)
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self._channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()

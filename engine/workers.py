@@ -53,20 +53,20 @@ from engine.api import (
     InvalidRequest,
     Overloaded,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     pcm16,
 )
-from engine.bridge import LoopChunkChannel, deliver_on_producer_thread, listen
+from engine.bridge import LoopChunkChannel, deliver_on_producer_thread
 
 log = logging.getLogger("cadence.workers")
 
 LOAD_PERIOD_S = 0.2  # how often a worker reports its EngineLoad
 # net container allocations between two collections of the youngest generation (CPython: 700). A
-# step makes and drops thousands (a plan's rows, the outputs): at 700 the collector ran about twice
-# a step and promoted enough to run a full collection (~50 ms at 512 streams) every ~70 steps; at
-# 7000 most of a step's objects are gone before it runs (stepping the stand-in engine in-process at
-# 512 streams: the collector's time per step 1.6-1.9 -> 0.4 ms; its longest pause ~50 -> ~30 ms)
+# step makes and drops thousands (a plan's rows, the outputs): at 700 the collector runs several
+# times a step and promotes enough to run frequent full collections, each a pause of the step
+# thread; at 7000 most of a step's objects are gone before it runs
 YOUNG_GC_THRESHOLD = 7000
 _ERRORS: dict[str, type[EngineError]] = {
     "overloaded": Overloaded,
@@ -217,8 +217,8 @@ class _WorkerLoop:
         # pausing the step thread for every object the model and its graphs hold
         gc.collect()
         gc.freeze()
-        # counted once: get_freeze_count() walks the whole frozen list (half a million objects, ~40 ms
-        # with the GIL held), which every load report paid and every engine thread waited for
+        # counted once: get_freeze_count() walks the whole frozen list (hundreds of thousands of
+        # objects) with the GIL held, which every load report would pay and every engine thread wait for
         self.frozen_objects = float(gc.get_freeze_count())
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         self.send("ready", self.engine.info)
@@ -320,15 +320,14 @@ class _WorkerLoop:
             rid, request = args
             try:
                 stream = self.engine.open(request)
-                chunks = aiter(stream)
             except Exception as exc:
                 self.post("fail", rid, *error_to_wire(exc))
                 return
             self.streams[rid] = stream
             out = _StreamOut(self, rid)
-            if not listen(chunks, out):  # a stream of another kind: a task forwards it
-                self._spawn(self._pump(out, chunks))
-        elif op in ("push", "close_text", "cancel"):
+            if not stream.listen(out):  # a stream that only iterates: a task forwards it
+                self._spawn(self._pump(out, aiter(stream)))
+        elif op in ("push", "close_text", "cancel", "word_alignment"):
             stream = self.streams.get(args[0])
             if stream is None:
                 return
@@ -337,6 +336,8 @@ class _WorkerLoop:
                     stream.push(args[1])
                 elif op == "close_text":
                     stream.close_text()
+                elif op == "word_alignment":
+                    stream.set_word_alignment(args[1])
                 else:
                     stream.cancel()
             except Exception as exc:
@@ -408,7 +409,7 @@ class _Worker:
             self.conn.send(message)
 
 
-class WorkerStream:
+class WorkerStream(SynthesisStream):
     def __init__(self, pool: WorkerPoolEngine, worker: _Worker, rid: int, request_id: str) -> None:
         self.pool = pool
         self.worker = worker
@@ -441,10 +442,14 @@ class WorkerStream:
             self.pool._forget(self.worker, self.rid)
 
     def listen(self, listener: ChunkListener) -> bool:
-        """engine.api.listen: the channel hands the chunks over. The pool forgets the request at
-        its final chunk, end or failure, as it does for an iterated stream; a cancel forgets it too."""
+        """The channel hands the chunks over. The pool forgets the request at its final chunk, end
+        or failure, as it does for an iterated stream; a cancel forgets it too."""
         self.channel.listen(listener)
         return True
+
+    def set_word_alignment(self, mode: str) -> None:
+        """Given to the worker's stream (an aligned engine there takes it; others keep their words)."""
+        self._send("word_alignment", self.rid, mode)
 
 
 _MEAN_FIGURES = (

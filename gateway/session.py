@@ -37,7 +37,7 @@ from typing import ClassVar, Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisStream, listen
+from engine.api import AudioChunk, Engine, EngineError, SynthesisStream
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -583,7 +583,7 @@ class Session:
 
     # -- engine pulls -------------------------------------------------------------------------
     async def _pull(self, utterance_id: str, stream: SynthesisStream) -> None:
-        """A stream that cannot hand its chunks over (engine.api.listen), iterated."""
+        """A stream that cannot hand its chunks over (SynthesisStream.listen), iterated."""
         writable = self.queue.writable
         try:
             async for chunk in stream:
@@ -708,9 +708,7 @@ class Session:
             if not isinstance(exc, EngineError):
                 log.exception("engine.open failed")
             return self.protocol.open_failed(action.utterance_id, exc)
-        set_alignment = getattr(stream, "set_word_alignment", None)  # an engine with a forced aligner
-        if set_alignment is not None:
-            set_alignment(self.protocol.word_alignment)
+        stream.set_word_alignment(self.protocol.word_alignment)  # taken by an engine with a forced aligner
         self._streams[action.utterance_id] = stream
         self.metrics.utterances.labels("stream").inc()
         uid = action.utterance_id
@@ -720,7 +718,7 @@ class Session:
             functools.partial(self._stream_failed, uid),
             self.queue.writable,
         )
-        if listen(stream, listener):
+        if stream.listen(listener):
             self._listeners[uid] = listener
         else:
             self._pulls[uid] = asyncio.create_task(self._pull(uid, stream))

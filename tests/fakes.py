@@ -27,6 +27,7 @@ from engine.api import (
     InvalidAudio,
     Overloaded,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     WordTiming,
@@ -55,7 +56,7 @@ class FakeOptions:
     open_error: EngineError | None = None
 
 
-class FakeStream:
+class FakeStream(SynthesisStream):
     def __init__(self, engine: FakeEngine, request: SynthesisRequest) -> None:
         self.request_id = request.request_id
         self.request = request

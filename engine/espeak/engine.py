@@ -26,6 +26,7 @@ import soxr
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
@@ -33,6 +34,7 @@ from engine.api import (
     Overloaded,
     Priority,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     WordTiming,
@@ -192,7 +194,10 @@ class EspeakEngine:
         assert self._lib is not None
         code = self._lib.languages().get(language.lower())
         if code is None:
-            raise InvalidRequest(f"unknown language {language!r}")
+            raise InvalidRequest(
+                f"unknown language {language!r}; choose one of {', '.join(self.info.languages)}, "
+                "or an eSpeak language code (such as en-gb or pt-br)"
+            )
         return code
 
     # -- scheduling (called with self._cond held) ------------------------------------------------
@@ -269,7 +274,7 @@ def _warmed_library() -> Espeak:
     return lib
 
 
-class EspeakStream:
+class EspeakStream(SynthesisStream):
     """One request: text pieces in, AudioChunks out (engine.api.SynthesisStream)."""
 
     def __init__(self, engine: EspeakEngine, request: SynthesisRequest, variant: str, language: str | None):
@@ -306,6 +311,10 @@ class EspeakStream:
         self.channel.close()
         with self._engine._cond:
             self._engine._retire(self)
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self.channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()

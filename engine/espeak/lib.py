@@ -34,7 +34,7 @@ import numpy.typing as npt
 AUDIO_OUTPUT_SYNCHRONOUS = 2
 POS_CHARACTER = 1
 CHARS_UTF8 = 1
-RATE, VOLUME, PITCH, WORDGAP = 1, 2, 3, 7
+RATE = 1  # espeak_SetParameter's words-per-minute parameter
 EVENT_WORD = 1
 BUFFER_MS = 100
 

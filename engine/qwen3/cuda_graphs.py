@@ -4,7 +4,7 @@ pool, pad a batch up to the next bucket, replay, slice. Eager fallback when a ke
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -56,18 +56,6 @@ class GraphBank:
         if self._pool is None:
             self._pool = graph.pool()
         self.graphs[key] = graph
-
-    def capture_all(
-        self,
-        keys: Iterable[Hashable],
-        fn_for: Callable[[Hashable], Callable[[], object]],
-        on_done: Callable[[Hashable], None] | None = None,
-    ) -> None:
-        """Capture in the given order (pass the largest first, so later graphs reuse the pool)."""
-        for key in keys:
-            self.capture(key, fn_for(key))
-            if on_done is not None:
-                on_done(key)
 
     def run(self, key: Hashable, fn: Callable[[], object]) -> None:
         graph = self.graphs.get(key)

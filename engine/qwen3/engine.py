@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +22,20 @@ import torch
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
     InvalidRequest,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     WordTiming,
 )
 from engine.bridge import ChunkBatch, ChunkChannel
 from engine.qwen3.core import EngineCore
-from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager
+from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager, talker_kv_bytes_per_token
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import GenerationDefaults, Qwen3TTSConfig
 from engine.qwen3.models.talker import Talker
@@ -51,37 +53,24 @@ from engine.qwen3.voice_cache import VoicePromptCache
 
 @dataclass(slots=True)
 class Qwen3EngineConfig:
-    max_streams: int = 64  # concurrent utterances (Code2Wav rows); more queue, then Overloaded
-    queue_limit: int = 256
-    kv_slots: int | None = None  # talker slots; None: from kv_budget_bytes (capped at max_streams)
+    """The engine's settings: the scheduler's and the runner's, each owned by its own config, and
+    the engine's own. The sizes the two share (streams, batch, chunk sizes) are the scheduler's;
+    the runner is built with them."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    kv_slots: int | None = None  # talker slots; None: from kv_budget_bytes (capped at the streams)
     kv_budget_bytes: int = 8 << 30
-    max_len: int = 512  # talker positions per segment (prompt + frames)
-    max_batch: int = 64
-    max_tokens_per_step: int = 512
-    max_prefill_chunk: int = 256
-    max_trailing: int = 256
-    kv_buckets: tuple[int, ...] = (128, 256)
-    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
-    merge_codec_groups_below: int = 32  # see SchedulerConfig: fewer Code2Wav launches per step (0: off)
-    # rows per Code2Wav graph: the codec saturates the H200 by 64 rows x 25 frames (about 1 500
-    # audio-s/s in bf16), while graphs of 512 rows would hold tens of GiB of activations
-    max_codec_batch: int = 64
-    enforce_eager: bool = False
-    defer_codec: bool | None = None  # collect later Code2Wav chunks a step after launch (None: on CUDA)
-    codec_overlap: bool = False  # later Code2Wav chunks on their own CUDA stream (RunnerConfig)
-    first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks beside (RunnerConfig)
-    fused_layers: bool = (
-        True  # decoder layers through engine.qwen3.models.fused_layer on CUDA bf16 (RunnerConfig)
-    )
-    scheduler_overrides: tuple[str, ...] = ()  # "FIELD=JSON" settings of SchedulerConfig, applied last
     non_streaming_text: bool = False  # whole segment text in the prompt instead of one token per frame
-    ttfa_target_s: float = 0.025
     # voices' text-independent prompt prefixes kept as talker KV (engine.qwen3.prefix_cache); 0 turns it off
     prefix_cache_bytes: int = 256 << 20
-    # Code2Wav state after each clone voice's reference clip (engine.qwen3.codec_state_cache); 0 turns it off
-    codec_state_cache_bytes: int = 64 << 20
     default_voice: str | None = None
     progress_bar: bool = True
+
+    @property
+    def max_streams(self) -> int:
+        """Concurrent utterances (Code2Wav rows); more queue, then Overloaded."""
+        return self.scheduler.codec_slots
 
 
 def estimate_words(segment: Segment) -> list[WordTiming]:
@@ -141,7 +130,7 @@ def share_frames(total: int, segments: list[TextSegment]) -> list[int]:
     return [1 + b - a for a, b in zip([0, *bounds[:-1]], bounds, strict=True)]
 
 
-class Qwen3Stream:
+class Qwen3Stream(SynthesisStream):
     def __init__(
         self, engine: Qwen3Engine, request: SynthesisRequest, voice: _Voice, channel: ChunkChannel
     ) -> None:
@@ -179,6 +168,10 @@ class Qwen3Stream:
 
     def cancel(self) -> None:
         self._engine.core.abort(self.request_id)
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self.channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
@@ -225,55 +218,36 @@ class Qwen3Engine:
         self._pending_prompts: dict[int, tuple[TextSegment, SynthesisRequest, _Voice]] = {}
         self._streams: dict[str, Qwen3Stream] = {}
         shape = config.talker.shape
-        dtype_bytes = talker.codec_head.weight.element_size()
-        bytes_per_token = (
-            2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * dtype_bytes
+        bytes_per_token = talker_kv_bytes_per_token(
+            shape.num_hidden_layers,
+            shape.num_key_value_heads,
+            shape.head_dim,
+            talker.codec_head.weight.element_size(),
         )
+        sc, max_len = ec.scheduler, ec.runner.max_len
         if ec.kv_slots is not None:
-            layout = KVCacheLayout(ec.kv_slots, ec.max_len, bytes_per_token)
+            layout = KVCacheLayout(ec.kv_slots, max_len, bytes_per_token)
         else:
             layout = KVCacheLayout.from_budget(
-                ec.kv_budget_bytes, bytes_per_token, ec.max_len + 1, ec.max_streams
+                ec.kv_budget_bytes, bytes_per_token, max_len + 1, sc.codec_slots
             )
-            layout = KVCacheLayout(layout.num_slots, ec.max_len, bytes_per_token)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_batch=ec.max_batch,
-                max_tokens_per_step=ec.max_tokens_per_step,
-                max_prefill_chunk=ec.max_prefill_chunk,
-                codec_slots=ec.max_streams,
-                queue_limit=ec.queue_limit,
-                max_codec_rows=ec.max_batch,
-                codec_frame_buckets=ec.codec_frame_buckets,
-                eos_code=config.talker.codec_eos_id,
-                ttfa_target_s=ec.ttfa_target_s,
-                merge_codec_groups_below=ec.merge_codec_groups_below,
-            ),
-            KVCacheManager(layout),
-        )
+            layout = KVCacheLayout(layout.num_slots, max_len, bytes_per_token)
         self.runner = Runner(
             talker,
             codec,
             config,
-            RunnerConfig(
-                num_slots=layout.num_slots,
-                max_len=ec.max_len,
-                codec_slots=ec.max_streams,
-                max_batch=ec.max_batch,
-                max_trailing=ec.max_trailing,
-                kv_buckets=ec.kv_buckets,
-                codec_frame_buckets=ec.codec_frame_buckets,
-                max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
-                enforce_eager=ec.enforce_eager,
-                defer_codec=ec.defer_codec,
-                codec_overlap=ec.codec_overlap,
-                first_chunk_lane=ec.first_chunk_lane,
-                codec_state_cache_bytes=ec.codec_state_cache_bytes,
-                fused_layers=ec.fused_layers,
-            ),
+            ec.runner,
+            num_slots=layout.num_slots,
+            codec_slots=sc.codec_slots,
+            max_batch=sc.max_batch,
+            codec_frame_buckets=sc.codec_frame_buckets,
         )
-        self.scheduler.config.codec_delivery_steps = int(self.runner.defers_codec)
-        self.scheduler.config.override(ec.scheduler_overrides)
+        self.scheduler = Scheduler(
+            sc,
+            KVCacheManager(layout),
+            eos_code=config.talker.codec_eos_id,
+            codec_delivery_steps=int(self.runner.defers_codec),
+        )
         self.model_name = model_name
         self.prefix_cache = PrefixKVCache(ec.prefix_cache_bytes) if ec.prefix_cache_bytes > 0 else None
         if self.prefix_cache is not None:
@@ -365,7 +339,7 @@ class Qwen3Engine:
             active=active,
             queued=queued,
             capacity=self.econfig.max_streams,
-            queue_limit=self.econfig.queue_limit,
+            queue_limit=self.econfig.scheduler.queue_limit,
             ready=self._ready,
             extra=extra,
         )
@@ -423,14 +397,16 @@ class Qwen3Engine:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         lang = (request.language or "auto").lower()
         if lang not in self.cfg.languages:
-            raise InvalidRequest(f"unsupported language {request.language!r}")
+            raise InvalidRequest(
+                f"unsupported language {request.language!r}; this model speaks {', '.join(self.info.languages)}"
+            )
         voice = self._resolve_voice(request)
         state = Request(
             request_id=request.request_id,
             priority=request.priority,
             schedule=request.schedule,
             arrival_time=self.scheduler.clock(),
-            ttfa_target_s=self.econfig.ttfa_target_s,
+            ttfa_target_s=self.econfig.scheduler.ttfa_target_s,
             sampling=self._sampling(request),
         )
         stream = Qwen3Stream(self, request, voice, ChunkChannel())
@@ -510,10 +486,9 @@ class Qwen3Engine:
 
     def _finish_prompt(self, segment: Segment) -> None:
         segment.prompt_len = self.runner.prompt_length(segment.payload)
-        if segment.prompt_len >= self.econfig.max_len:
-            raise InvalidRequest(
-                f"prompt of {segment.prompt_len} positions exceeds max_len {self.econfig.max_len}"
-            )
+        max_len = self.econfig.runner.max_len
+        if segment.prompt_len >= max_len:
+            raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {max_len}")
         if self.prefix_cache is not None:
             self._mark_prefix(segment)
 

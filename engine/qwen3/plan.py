@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 
 # one frame's 16 codes; the runner hands out tuples: a request keeps every frame it made, and the
-# cyclic collector skips tuples of ints where it walks every list (a full collection over 512
-# streams' frames: 26-37 ms as lists, 1-3 ms as tuples)
+# cyclic collector untracks tuples of ints where it walks every list, so a full collection over
+# hundreds of streams' frames stays short
 Frame = Sequence[int]
 
 
@@ -29,7 +29,6 @@ class PrefillChunk:
     samples_frame: bool  # the chunk completes the context: its last position samples a frame
     frame_index: int  # index within the segment of the frame sampled (valid if samples_frame)
     utterance_frame: int  # index of that frame on the request's timeline (seeds the row's noise)
-    new_segment: bool  # first chunk of a fresh segment: reset the slot's per-segment sampling state
     codes: list[Frame] = field(default_factory=list)  # segment frames to re-embed on a resume
     sampling: Any = None  # the request's sampling parameters
     copied: int = 0  # prompt positions the slot got from the prefix cache (its prefill starts there)
@@ -65,9 +64,6 @@ class CodecChunk:
     first_frame: int  # index on the request's frame timeline of codes[0]
     codes: list[Frame]  # the frames to decode now, [num_frames][16]
     first_chunk: bool  # the request's first chunk (scheduled first, counts for TTFA)
-    # collected in its own step like a first chunk: its listener runs dry before a deferred chunk
-    # would arrive (a deferring runner delivers the others a step later)
-    urgent: bool = False
 
     @property
     def num_frames(self) -> int:

@@ -1,19 +1,15 @@
-"""Reference clips for voice clones: decode, check, mix to mono, resample to 24 kHz.
+"""Reference clips for voice clones: check, mix to mono, resample to 24 kHz.
 
-Accepts an uploaded file (anything libsndfile reads: WAV, FLAC, OGG/Vorbis, Opus, MP3, AIFF, ...)
-or an array with its sample rate. Refuses, with `InvalidAudio` and a message a person can act on,
-clips that cannot serve as a voice prompt: unreadable, empty, non-finite samples, implausible sample
-rates, silence only, under 1 s or over 30 s of speech. The audio itself is passed on unchanged apart
+Takes an array with its sample rate (the gateway decodes uploaded files). Refuses, with
+`InvalidAudio` and a message a person can act on, clips that cannot serve as a voice prompt:
+empty, non-finite samples, implausible sample rates, silence only, under 1 s or over 30 s of speech. The audio itself is passed on unchanged apart
 from the mono mix, a rescale when samples exceed full scale, and the resampling.
 """
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import numpy.typing as npt
-import soundfile
 import soxr
 
 from engine.api import InvalidAudio
@@ -28,19 +24,6 @@ SPEECH_BELOW_PEAK_DB = 35.0  # frames this far below the loudest still count as 
 FRAME_S = 0.02
 
 Audio = npt.NDArray[np.float32]
-
-
-def decode_audio_file(data: bytes) -> tuple[Audio, int]:
-    """Decode an uploaded audio file -> (samples [frames, channels] float32, sample rate)."""
-    if not data:
-        raise InvalidAudio("The reference audio file is empty.")
-    try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as exc:  # libsndfile reports unknown and damaged formats alike
-        raise InvalidAudio(
-            "The reference audio could not be read. Send WAV, FLAC, OGG, Opus or MP3 audio."
-        ) from exc
-    return samples, int(rate)
 
 
 def _to_float(audio: npt.NDArray[np.generic]) -> npt.NDArray[np.float64]:
@@ -124,9 +107,3 @@ def prepare_reference_audio(audio: npt.NDArray[np.generic], sample_rate: int) ->
             f"Trim it to a shorter passage."
         )
     return out
-
-
-def load_reference_audio(data: bytes) -> Audio:
-    """An uploaded file -> checked mono float32 at 24 kHz."""
-    samples, rate = decode_audio_file(data)
-    return prepare_reference_audio(samples, rate)

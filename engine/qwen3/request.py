@@ -33,10 +33,6 @@ class RequestStatus(enum.IntEnum):
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
-    @property
-    def holds_kv(self) -> bool:
-        return self in (RequestStatus.PREFILLING, RequestStatus.DECODING)
-
 
 @dataclass(slots=True)
 class Segment:
@@ -104,14 +100,6 @@ class Request:
         return self.frames_launched - self.frames_decoded
 
     @property
-    def samples_emitted(self) -> int:
-        return self.frames_decoded * SAMPLES_PER_FRAME
-
-    @property
-    def audio_seconds_emitted(self) -> float:
-        return self.samples_emitted / SAMPLE_RATE
-
-    @property
     def deadline(self) -> float:
         """Wall time by which more audio must reach the listener: the first-audio target before
         the first chunk, then the moment the listener's buffer runs dry (real-time playback)."""
@@ -122,19 +110,6 @@ class Request:
     @property
     def ttfa(self) -> float | None:
         return None if self.first_audio_time is None else self.first_audio_time - self.arrival_time
-
-    @property
-    def generation_done(self) -> bool:
-        """No more frames will be generated (text closed and every segment synthesised)."""
-        return self.text_closed and self.current is None and not self.segments
-
-    @property
-    def generation_paused(self) -> bool:
-        """No frame can come soon: nothing is being synthesised right now."""
-        return self.current is None or self.status in (
-            RequestStatus.WAITING_FOR_TEXT,
-            RequestStatus.DRAINING,
-        )
 
     @property
     def is_finished(self) -> bool:

@@ -6,10 +6,10 @@ Per step:
                        others are queued right behind the sampling, before the host reads the
                        codes; first chunks, built from those codes, replay graphs of their own on
                        a stream of the highest priority beside them (the first-chunk lane: the two
-                       lanes share no static buffer or memory pool). With codec_overlap the others
-                       run on a stream of their own beside the next step's talker instead
-  talker decode rows   one CUDA graph per batch bucket (per attention-length bucket without the
-                       decode kernel); one-position prompt chunks join these rows
+                       lanes share no static buffer or memory pool)
+  talker decode rows   one CUDA graph per batch bucket (on CUDA the decode attention kernel reads
+                       each row's own length; elsewhere one graph per attention-length bucket);
+                       one-position prompt chunks join these rows
   talker prefill       longer prompt chunks padded into a (rows, positions) bucket's graph
                        (positions beyond a row's chunk go to the cache's scratch cell); larger
                        steps run eagerly
@@ -25,7 +25,6 @@ a dummy row that padded batch entries read and write.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.qwen3 import sampling_kernel
+from engine.qwen3 import sampler
 from engine.qwen3.codec_state_cache import CodecStateCache
 from engine.qwen3.cuda_graphs import GraphBank, batch_buckets, bucket_for
 from engine.qwen3.models import decode_attention, fused_layer, fused_norm, fused_rope
@@ -90,41 +89,37 @@ class SegmentPrompt:
 
 @dataclass(slots=True)
 class RunnerConfig:
-    num_slots: int  # talker KV slots (the scheduler's KV layout)
-    max_len: int  # positions per slot usable by a segment (the cache holds one more: scratch)
-    codec_slots: int  # Code2Wav state rows
-    max_batch: int = 64  # rows per talker decode / sampling step
+    """The runner's own settings. The sizes it shares with the scheduler (slots, batch, chunk
+    sizes) are given to `Runner` by whoever sizes both (the engine: from its SchedulerConfig)."""
+
+    max_len: int = 512  # positions per slot usable by a segment (the cache holds one more: scratch)
     max_trailing: int = 256  # text-track positions per segment
-    kv_buckets: tuple[int, ...] = ()  # attention lengths captured for decode (max_len + 1 always)
-    # talker decode attention reads each row's own positions from its slot (Triton kernel, CUDA):
-    # one graph per batch size serves every length, and no bucket of the cache is gathered
-    decode_kernel: bool = True
-    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)
+    # attention lengths captured for decode where the decode attention kernel is absent (max_len + 1
+    # always)
+    kv_buckets: tuple[int, ...] = (128, 256)
+    # rows per Code2Wav graph: the codec saturates a large GPU by about 64 rows of 25 frames, while
+    # graphs of hundreds of rows would hold tens of GiB of activations
     max_codec_batch: int = 64
     # prompt chunks of 2+ positions: graphs per (rows, positions) bucket; larger steps run eagerly
     prefill_row_buckets: tuple[int, ...] = (1, 2, 4, 8)
     prefill_len_buckets: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
-    enforce_eager: bool = False
-    # Code2Wav chunks after the first on their own CUDA stream, overlapping the next step's talker
-    # (CUDA; implies defer_codec). Off by default: on an H200 the two stages competed for the SMs
-    # and steps got longer (58 -> 77 ms at 512 streams, deploy/bench/README.md)
-    codec_overlap: bool = False
-    # on one stream, a step's Code2Wav chunks other than first chunks are collected by the next
-    # step: the host plans and launches that step while the GPU decodes them (None: on CUDA)
+    enforce_eager: bool = False  # no CUDA graphs
+    # a step's Code2Wav chunks other than first chunks are collected by the next step: the host
+    # plans and launches that step while the GPU decodes them (None: on CUDA). On CUDA they are
+    # launched right behind the sampling, before the host reads the sampled codes, and first chunks
+    # replay graphs of their own on a stream of the highest priority, beside them
     defer_codec: bool | None = None
-    # deferring on one stream (CUDA): the later chunks are launched right behind the sampling, before
-    # the host reads the sampled codes, so the GPU decodes them while the host handles those codes;
-    # first chunks then replay graphs of their own on a stream of the highest priority, beside them
-    first_chunk_lane: bool = True
     # Code2Wav state after a clone's reference clip, kept per voice (engine.qwen3.codec_state_cache)
     codec_state_cache_bytes: int = 64 << 20
-    # talker and code-predictor layers as nine kernels each (engine.qwen3.models.fused_layer; CUDA bf16),
-    # set up by capture(), after any FP8 quantisation of the linears
+    # talker and code-predictor layers as nine kernels each (engine.qwen3.models.fused_layer; CUDA
+    # bf16), set up by capture(), after any FP8 quantisation of the linears. The one switch back to
+    # eager ops (`cadence serve --no-fused-layers`): the smaller kernels fall back on their own when
+    # their start-up check fails (engine.qwen3.models.kernel_guard)
     fused_layers: bool = True
 
 
 EAGER_CHUNK_FRAMES = 25  # frames per eager Code2Wav call when no graph fits (bounds its activations)
-FIRST_LANE_FRAMES = (1, 2)  # first-chunk sizes with graphs of their own (first-chunk lane, overlap)
+FIRST_LANE_FRAMES = (1, 2)  # first-chunk sizes with graphs of their own (the first-chunk lane)
 
 
 @dataclass(slots=True)
@@ -147,12 +142,23 @@ class Runner:
         codec: Code2Wav,
         cfg: Qwen3TTSConfig,
         config: RunnerConfig,
+        *,
+        num_slots: int,
+        codec_slots: int,
+        max_batch: int,
+        codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25),
     ) -> None:
+        """num_slots: talker KV slots (the scheduler's KV layout); codec_slots: Code2Wav state rows;
+        max_batch: rows per talker decode / sampling step; codec_frame_buckets: Code2Wav chunk sizes
+        (graph buckets)."""
         self.talker = talker
         self.codec = codec
         self.cfg = cfg
         self.prompt_builder = PromptBuilder(talker, cfg)  # keeps the embeddings that hold no text
         self.config = config
+        self.num_slots, self.codec_slots, self.max_batch = num_slots, codec_slots, max_batch
+        self.codec_frame_buckets = tuple(sorted(codec_frame_buckets))
+        self.max_codec_batch = min(max_batch, config.max_codec_batch)
         p = talker.codec_head.weight
         self.device, self.dtype = p.device, p.dtype
         dev = self.device
@@ -160,11 +166,11 @@ class Runner:
         tc = cfg.talker
         self.groups = tc.num_code_groups
         self.eos = tc.codec_eos_id
-        self.dummy = config.num_slots
+        self.dummy = num_slots
         self.scratch = config.max_len
-        slots = config.num_slots + 1
+        slots = num_slots + 1
         self.cache = talker.allocate_cache(slots, config.max_len + 1, dev, self.dtype)
-        self.cp_cache = talker.code_predictor.allocate_cache(config.max_batch, dev, self.dtype)
+        self.cp_cache = talker.code_predictor.allocate_cache(max_batch, dev, self.dtype)
         self.suppress = suppression_mask(tc.vocab_size, tc.control_id_start, tc.codec_eos_id, dev)
         h = tc.hidden_size
         # per-slot tables
@@ -179,7 +185,7 @@ class Runner:
         self.p_int = torch.zeros(slots, 5, dtype=torch.long, device=dev)  # top_k, sub top_k, seed, min, end
         self.p_bool = torch.zeros(slots, 2, dtype=torch.bool, device=dev)  # greedy, sub greedy
         # static graph inputs / outputs
-        mb = config.max_batch
+        mb = max_batch
         # slots, positions, text index, prompt-row flag (1: the row's input is d_embeds, a prompt position)
         self.d_meta = torch.zeros(4, mb, dtype=torch.long, device=dev)
         self.d_embeds = torch.zeros(mb, h, device=dev, dtype=self.dtype)
@@ -195,48 +201,41 @@ class Runner:
         self.s_true = torch.ones(mb, dtype=torch.bool, device=dev)
         self._reset_static_inputs()
         # codec
-        self.codec_dummy = config.codec_slots  # padding rows of the later-chunk lane; the first lane's: +1
-        codec.init_streams(config.codec_slots + 2)
-        self.codec_batches = batch_buckets(config.max_codec_batch)
+        self.codec_dummy = codec_slots  # padding rows of the later-chunk lane; the first lane's: +1
+        codec.init_streams(codec_slots + 2)
+        self.codec_batches = batch_buckets(self.max_codec_batch)
         self._codec_io: dict[tuple[int, int, bool], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
-            # Code2Wav's convolutions: cuDNN's default picks ran a 24 kHz step 1.3-1.6x slower on
-            # an H200 than its autotuned picks (bench/gpu_codec_bench.py); shapes are fixed per
-            # graph bucket, so each is tuned once, while the graphs are captured
+            # Code2Wav's convolutions: cuDNN's default algorithm picks are slower than its
+            # autotuned ones (bench/gpu_codec_bench.py); shapes are fixed per graph bucket, so
+            # each is tuned once, while the graphs are captured
             torch.backends.cudnn.benchmark = True
-            sampling_kernel.check(dev)
+            sampler.draw_kernel.check(dev)
             fused_norm.check(dev)
             fused_rope.check(dev)
             fused_layer.check(dev)
-        # codec_overlap: later Code2Wav chunks on a stream of the lowest priority, the talker's work
-        # on one of the highest, so the GPU's block scheduler runs Code2Wav's kernels in the SMs
-        # the talker's leave idle instead of the two sharing them evenly
-        # (PyTorch maps a priority beyond the device's range to the range's nearest end)
-        overlap = cuda and config.codec_overlap
-        self.codec_stream = torch.cuda.Stream(dev, priority=0) if overlap else None
-        self.talker_stream = torch.cuda.Stream(dev, priority=-16) if overlap else None
         defer = cuda if config.defer_codec is None else config.defer_codec
-        lane = cuda and bool(defer) and config.first_chunk_lane and self.codec_stream is None
-        self.first_stream = torch.cuda.Stream(dev, priority=-16) if lane else None
+        self.defers_codec = bool(defer)
+        # deferring on CUDA: first chunks replay on the first-chunk lane, beside the later chunks
+        self.first_stream = torch.cuda.Stream(dev, priority=-16) if cuda and defer else None
         self._slots_ready: torch.cuda.Event | None = None  # the lane's resets and reference clips done
-        self._main_stream: torch.cuda.Stream | None = None  # the talker's stream, seen by the step
-        self.defers_codec = bool(defer) or self.codec_stream is not None
         self._deferred: Callable[[], tuple[dict[str, np.ndarray], list[tuple[str, int]]]] | None = None
         self.batches = batch_buckets(mb)
-        self.decode_kernel = config.decode_kernel and decode_attention.available(dev)
+        # the decode attention kernel reads each row's own length: one graph per batch size
+        self.decode_kernel = decode_attention.available(dev)
         kv_buckets = () if self.decode_kernel else config.kv_buckets
         self.kv_buckets = sorted({k for k in kv_buckets if k < config.max_len + 1} | {config.max_len + 1})
         self.graphs = GraphBank(dev, enabled=not config.enforce_eager)
-        # Code2Wav graphs may replay on their own stream, concurrently with the talker's: they must
-        # not share the talker graphs' memory pool, or one stage's temporaries overwrite the other's
+        # the later chunks' Code2Wav graphs replay beside the first-chunk lane's (which live in the
+        # talker's bank): the two must not share a memory pool, or one's temporaries overwrite the other's
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
         self.codec_states: CodecStateCache | None = (
             CodecStateCache(config.codec_state_cache_bytes) if config.codec_state_cache_bytes > 0 else None
         )
-        self.figures = StageFigures(cuda, one_stream=self.codec_stream is None)
+        self.figures = StageFigures(cuda)
         self._launches = 0  # Code2Wav graph replays (or eager calls) in this step
         self.prefix_cache: PrefixKVCache | None = None  # voices' prompt prefixes (engine.qwen3.prefix_cache)
 
@@ -255,7 +254,7 @@ class Runner:
         for the stream's queued work (from pageable memory, copies over 64 KiB, such as a 64-row
         25-frame Code2Wav chunk's codes, wait for it: the host would stop planning while the GPU
         decodes). Pinned blocks come from PyTorch's host cache, reused only once their copy is done.
-        Nested lists go through numpy: 2-3x faster than torch.tensor on a chunk's codes."""
+        Nested lists go through numpy, which converts a chunk's codes faster than torch.tensor."""
         host = torch.from_numpy(np.asarray(values, dtype=_NUMPY[dtype]))
         return host.pin_memory() if self._pin else host
 
@@ -268,8 +267,7 @@ class Runner:
     @torch.no_grad()
     def prepare(self, prompts: list[SegmentPrompt]) -> None:
         """Build the prompt embeddings of segments, all in one batch (a ValueError fails the batch).
-        Runs at a step's start, on the device's default stream, which the step's stream waits for
-        (`_talker_ctx`)."""
+        Runs at a step's start, on the step's stream."""
         todo = [p for p in prompts if p.embeds is None]
         for p in todo:
             assert p.tokens is not None, "segment prompt not tokenised"
@@ -285,9 +283,6 @@ class Runner:
         ]
         for p, embeds in zip(todo, self.prompt_builder.build(items), strict=True):
             p.embeds = embeds
-            if self.talker_stream is not None:  # read there: freed only after it did
-                for t in (embeds.prefill, embeds.trailing, embeds.tts_pad):
-                    t.record_stream(self.talker_stream)
 
     def prompt_length(self, prompt: SegmentPrompt) -> int:
         """A prepared segment's prompt length (ValueError: its text does not fit a slot's tables)."""
@@ -300,10 +295,6 @@ class Runner:
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> StepOutput:
-        with self._talker_ctx():
-            return self._execute(plan)
-
-    def _execute(self, plan: StepPlan) -> StepOutput:
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
@@ -379,31 +370,19 @@ class Runner:
         Deferring, first chunks are decoded and collected now (time to first audio); the others are
         collected by the next step, so the host plans it while the GPU decodes them. `early`: the
         later chunks' collector when they were launched before the codes were read (first-chunk lane)."""
-        later = [c for c in plan.codec if not (c.first_chunk or c.urgent)] if self.defers_codec else []
-        now = (
-            [c for c in plan.codec if c.first_chunk or c.urgent] + first
-            if self.defers_codec
-            else plan.codec + first
-        )
+        later = [c for c in plan.codec if not c.first_chunk] if self.defers_codec else []
+        now = [c for c in plan.codec if c.first_chunk] + first if self.defers_codec else plan.codec + first
         if early is not None:  # later chunks already queued on this stream: first chunks on their lane
             assert self.first_stream is not None
             collect_later = early
             with torch.cuda.stream(self.first_stream):
                 collect_now = self._launch_codec(now, [], first_lane=True)
-        elif self.codec_stream is None:
+        else:
             t = self.figures.start()
             collect_now = self._launch_codec(now, plan.codec_resets)
             collect_later = self._launch_codec(later, [])
             if now or later:
                 self.figures.stop("codec", t)
-        else:  # later chunks (after the slots' resets) on the codec stream; first chunks on this one
-            self._main_stream = torch.cuda.current_stream(self.device)
-            with self._codec_ctx():
-                t = self.figures.start()
-                collect_later = self._launch_codec(later, plan.codec_resets)
-                if later:
-                    self.figures.stop("codec", t)
-            collect_now = self._launch_codec(now, [], first_lane=True)
         if not self.defers_codec:
             return collect_now(), None
         audio: dict[str, np.ndarray] = {}
@@ -421,7 +400,7 @@ class Runner:
     def _launch_later_early(self, plan: StepPlan) -> Callable[[], dict[str, np.ndarray]]:
         """The slots' resets and the later chunks, on this stream right behind the sampling: the GPU
         decodes them while the host reads the codes and builds the first chunks (first-chunk lane)."""
-        later = [c for c in plan.codec if not (c.first_chunk or c.urgent)]
+        later = [c for c in plan.codec if not c.first_chunk]
         t = self.figures.start()
         collect = self._launch_codec(later, plan.codec_resets)
         if later:
@@ -650,22 +629,6 @@ class Runner:
         return fn
 
     # -- Code2Wav ------------------------------------------------------------------------------
-    def _codec_ctx(self) -> contextlib.AbstractContextManager[object]:
-        if self.codec_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.codec_stream)
-
-    @contextlib.contextmanager
-    def _talker_ctx(self) -> Iterator[None]:
-        """The step's work on the high-priority talker stream (codec_overlap), after whatever the
-        device's default stream holds (weights or voices made on other threads)."""
-        if self.talker_stream is None:
-            yield
-            return
-        self.talker_stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(self.talker_stream):
-            yield
-
     def _codec_buffers(self, b: int, f: int, first_lane: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         key = (b, f, first_lane)
         if key not in self._codec_io:
@@ -689,34 +652,29 @@ class Runner:
         self, chunks: list[CodecChunk], resets: list[int], first_lane: bool = False
     ) -> Callable[[], dict[str, np.ndarray]]:
         """Launch chunks (after resets and pending reference clips) on the current stream -> a
-        function that waits for their audio. first_lane: through the first-chunk graphs, after
-        the codec stream's resets (codec_overlap)."""
+        function that waits for their audio. first_lane: through the first-chunk graphs, after the
+        slots' resets on the talker's stream."""
         if not chunks and not resets and (first_lane or not self._codec_primes):
             return dict
         host: list[tuple[list[CodecChunk], Tensor]] = []
         if first_lane:
-            here = torch.cuda.current_stream(self.device)
-            if self.codec_stream is not None and any(not c.first_chunk for c in chunks):
-                here.wait_stream(self.codec_stream)  # an urgent chunk follows its stream's earlier ones
-            elif self._slots_ready is not None:
-                # only the slots' resets must come first: on the first-chunk lane an urgent
-                # chunk's earlier chunks are done (queued before this step's sampling, whose codes
-                # the host has read) and the step's later chunks are other streams'
-                here.wait_event(self._slots_ready)
+            if self._slots_ready is not None:
+                # only the slots' resets must come first: a stream's earlier chunks are done (queued
+                # before this step's sampling, whose codes the host has read), and the step's later
+                # chunks are other streams'
+                torch.cuda.current_stream(self.device).wait_event(self._slots_ready)
         else:
-            if self.codec_stream is not None and self._main_stream is not None:
-                self.codec_stream.wait_stream(self._main_stream)  # after the talker stream's slot writes
             if resets:
                 self.codec.reset(self._to_device(resets))
             self._prime_codec()
-            if self.codec_stream is not None or self.first_stream is not None:
+            if self.first_stream is not None:
                 self._slots_ready = torch.cuda.Event()
                 self._slots_ready.record()
         by_frames: dict[int, list[CodecChunk]] = defaultdict(list)
         for c in chunks:
             by_frames[c.num_frames].append(c)
         for group in by_frames.values():
-            for part in _slices(len(group), self.config.max_codec_batch):
+            for part in _slices(len(group), self.max_codec_batch):
                 rows = group[part]
                 wav = self._decode_codec(rows, first_lane)
                 # copied out before the next replay of the same bucket overwrites its output
@@ -755,7 +713,7 @@ class Runner:
             else:
                 by_length[int(codes.shape[0])].append((codes, slots))
         for group in by_length.values():
-            for part in _slices(len(group), self.config.max_codec_batch):
+            for part in _slices(len(group), self.max_codec_batch):
                 rows = group[part]
                 codes = torch.stack([c.to(self.device, torch.long, non_blocking=True) for c, _ in rows])
                 self._run_frames([slots[0] for _, slots in rows], codes)
@@ -770,7 +728,7 @@ class Runner:
         """Advance the slots through codes [B, F, Q], output dropped: in chunks of the captured
         sizes (graph replays), else eagerly in chunks of EAGER_CHUNK_FRAMES."""
         b = bucket_for(len(slots), self.codec_batches) or len(slots)
-        captured = [f for f in self.config.codec_frame_buckets if ("codec", b, f) in self.codec_graphs.graphs]
+        captured = [f for f in self.codec_frame_buckets if ("codec", b, f) in self.codec_graphs.graphs]
         start, total = 0, int(codes.shape[1])
         while start < total:
             left = total - start
@@ -829,10 +787,10 @@ class Runner:
         keys += [
             ("codec", b, f)
             for b in reversed(self.codec_batches)
-            for f in sorted(self.config.codec_frame_buckets, reverse=True)
+            for f in sorted(self.codec_frame_buckets, reverse=True)
         ]
-        if self.codec_stream is not None or self.first_stream is not None:
-            first = sorted(set(FIRST_LANE_FRAMES) & set(self.config.codec_frame_buckets), reverse=True)
+        if self.first_stream is not None:
+            first = sorted(set(FIRST_LANE_FRAMES) & set(self.codec_frame_buckets), reverse=True)
             keys += [("codec_first", b, f) for b in reversed(self.codec_batches) for f in first]
         return keys
 

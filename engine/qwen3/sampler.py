@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from engine.qwen3 import sampling_kernel
+from engine.qwen3.models.kernel_guard import KernelGuard
 
 _MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
@@ -126,22 +127,49 @@ def sample(
     scores = logits.float()
     greedy_ids = scores.argmax(dim=-1)
     k = min(TOP_K_BOUND, scores.shape[-1])
-    if bounded and sampling_kernel.available(scores.device) and k == TOP_K_BOUND:
+    if bounded and k == TOP_K_BOUND and scores.is_cuda and draw_kernel.ready(scores.device):
         values, index = scores.topk(k, dim=-1)  # the kernel applies the temperature itself
         sampled_ids = sampling_kernel.draw(
             values, index, params.temperature, params.top_k, params.top_p, seed, counter
         )
         return torch.where(params.greedy, greedy_ids, sampled_ids)
-    scaled = scores / params.temperature[:, None]
     if bounded:
-        values, index = scaled.topk(k, dim=-1)
-        filtered = filter_top_k_top_p(values, params.top_k, params.top_p)
-        best = (filtered + gumbel_noise_at(seed, counter, index)).argmax(dim=-1, keepdim=True)
-        sampled_ids = index.gather(1, best)[:, 0]
+        sampled_ids = _bounded_draw(scores, params, seed, counter, k)
     else:
+        scaled = scores / params.temperature[:, None]
         filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
         sampled_ids = (filtered + gumbel_noise(seed, counter, scores.shape[-1])).argmax(dim=-1)
     return torch.where(params.greedy, greedy_ids, sampled_ids)
+
+
+def _bounded_draw(scores: Tensor, params: SamplingParams, seed: Tensor, counter: Tensor, k: int) -> Tensor:
+    """The bounded draw in torch ops: filtering and noise over each row's k best candidates."""
+    values, index = (scores / params.temperature[:, None]).topk(k, dim=-1)
+    filtered = filter_top_k_top_p(values, params.top_k, params.top_p)
+    best = (filtered + gumbel_noise_at(seed, counter, index)).argmax(dim=-1, keepdim=True)
+    return index.gather(1, best)[:, 0]
+
+
+def _compare_draw_kernel(device: torch.device, rows: int = 256) -> None:
+    """Raise unless the Triton draw agrees with the torch draw on nearly every row (top-p's
+    cumulative sum may round differently at its boundary)."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    scores = (torch.randn(rows, 2048, generator=gen) * 3).to(device)
+    top_k = torch.randint(1, TOP_K_BOUND + 1, (rows,), generator=gen).tolist()
+    params = SamplingParams.build([0.9] * rows, top_k, [1.0] * rows, [False] * rows, device)
+    seed = torch.arange(rows, device=device) * 7919
+    counter = torch.arange(rows, device=device) % 11
+    expected = _bounded_draw(scores, params, seed, counter, TOP_K_BOUND)
+    values, index = scores.topk(TOP_K_BOUND, dim=-1)
+    got = sampling_kernel.draw(values, index, params.temperature, params.top_k, params.top_p, seed, counter)
+    agree = float((got == expected).float().mean())
+    if agree < 0.99:
+        raise ValueError(f"it agrees with the torch draw on {100 * agree:.1f} % of rows")
+
+
+# the bounded draw's Triton kernel, checked on each device before first use (the runner checks it
+# at start-up, before any graph is captured)
+draw_kernel = KernelGuard("sampling kernel", _compare_draw_kernel, built=sampling_kernel.BUILT)
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:

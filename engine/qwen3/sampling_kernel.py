@@ -6,13 +6,12 @@ at small batches those launches, not the arithmetic, set the predictor's time. H
 row does it all on the candidates `torch.topk` returned. The noise is the same hash as
 engine.qwen3.sampler's (32-bit integer arithmetic, exact); logarithms and divisions use the correctly
 rounded libdevice functions, so draws match the torch path except where top-p's cumulative sum
-rounds differently at its boundary. `check()` compares the two on the device before first use and
-turns the kernel off (with a warning) if it fails to build or disagrees.
+rounds differently at its boundary. This module imports nothing of the sampler: the sampler
+compares the two on the device before first use (`engine.qwen3.sampler.draw_kernel`) and keeps
+the torch path if the kernel fails to build or disagrees.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import Tensor
@@ -24,12 +23,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-log = logging.getLogger(__name__)
-enabled = True  # set False by check() on failure, or by hand to time the torch path
-
-
-def available(device: torch.device) -> bool:
-    return enabled and triton is not None and device.type == "cuda"
+BUILT = triton is not None  # the kernel exists here (Triton imported)
 
 
 if triton is not None:
@@ -109,33 +103,3 @@ def draw(
         K=k,
     )
     return out
-
-
-def check(device: torch.device, rows: int = 256) -> bool:
-    """Build the kernel and compare it with the torch draw; on failure turn it off and say why."""
-    global enabled
-    if not available(device):
-        return False
-    from engine.qwen3.sampler import TOP_K_BOUND, SamplingParams, sample
-
-    gen = torch.Generator(device="cpu").manual_seed(7)
-    logits = (torch.randn(rows, 2048, generator=gen) * 3).to(device)
-    top_k = torch.randint(1, TOP_K_BOUND + 1, (rows,), generator=gen).tolist()
-    params = SamplingParams.build([0.9] * rows, top_k, [1.0] * rows, [False] * rows, device)
-    seed = torch.arange(rows, device=device) * 7919
-    counter = torch.arange(rows, device=device) % 11
-    try:
-        enabled = False
-        expected = sample(logits, params, seed, counter, bounded=True)
-        enabled = True
-        got = sample(logits, params, seed, counter, bounded=True)
-        agree = float((got == expected).float().mean())
-    except Exception as exc:  # a Triton build problem must not stop the engine: the torch path works
-        enabled = False
-        log.warning("sampling kernel disabled: %s", exc)
-        return False
-    if agree < 0.99:
-        enabled = False
-        log.warning("sampling kernel disabled: it agrees with the torch draw on %.1f %% of rows", 100 * agree)
-        return False
-    return True

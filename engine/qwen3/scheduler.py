@@ -20,7 +20,7 @@ import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.api import ChunkSchedule, Overloaded, Priority
 from engine.qwen3.delivery_leads import DeliveryLeads
@@ -40,6 +40,7 @@ from engine.qwen3.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, Reques
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE  # audio seconds per codec frame
 ON_SCHEDULE, EARLY, FLUSH = 0, 1, 2  # why a Code2Wav chunk has its size (Scheduler._codec_ready)
+EOS_CODE = 2150  # Qwen3-TTS-12Hz's codebook-0 end of segment
 IDLE_GAP_S = 1.0  # a longer wait between two steps is an idle engine, not a step
 # module constants: cheaper than attribute lookups on the enum in the per-row loops (and a tuple,
 # not a set: an enum member's hash is a Python-level call)
@@ -50,6 +51,8 @@ _FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it 
 
 @dataclass(slots=True)
 class SchedulerConfig:
+    """The scheduler's settings; `cadence serve --scheduler FIELD=JSON` sets any of them."""
+
     max_batch: int = 64  # rows sampling a frame per step (decode rows + prefill chunks)
     max_tokens_per_step: int = 512  # decode rows count one token each; prefill fills the rest
     max_prefill_chunk: int = 256  # positions of one request's prompt per step
@@ -57,10 +60,9 @@ class SchedulerConfig:
     queue_limit: int = 256  # requests waiting beyond the active ones; more -> Overloaded
     max_codec_rows: int = 64  # Code2Wav rows per step
     # rows per step whose chunk goes out below its scheduled size because the listener's buffer runs
-    # low. Beyond these, late rows wait a step and grow: under overload every late stream flushing one
-    # frame per step keeps Code2Wav at its least efficient shape, which keeps the streams late
-    # (simulated at 512 streams on the H200's costs: 64 left a quarter of the streams underrunning,
-    # 96-160 almost none, 256 and more lengthen every step; bench/sim_engine.py)
+    # low. Beyond these, late rows wait a step and grow: under overload, every late stream flushing
+    # one frame per step would keep Code2Wav at its least efficient shape, which keeps the streams
+    # late; too high a cap lengthens every step (bench/sim_engine.py explores the trade)
     max_early_codec_rows: int = 128
     # later chunks of one size whose group has fewer rows than this are cut down to a smaller size
     # present in the same step, saving a Code2Wav launch (0: never)
@@ -69,28 +71,16 @@ class SchedulerConfig:
     # chunks whose listeners can wait go in a later step (0: no limit)
     codec_frames_over_production: float = 1.5
     codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25)  # allowed chunk sizes (graph buckets)
-    eos_code: int = 2150  # codebook-0 id that ends a segment (not a frame)
-    ttfa_target_s: float = 0.025
+    ttfa_target_s: float = 0.025  # first audio is due this long after a request arrives
     # emit a short chunk (or decode a frame in its own step) when the buffer would run dry sooner
-    # than this. Against 0.1 s on the H200 at 512 streams, side by side: streams underrunning 0.32
-    # against 0.38 % once the gateway's long collector pauses were gone, at 2-3 % fewer chars/s;
-    # simulated with pauses after the engine, 1.52 -> 0.68 % (deploy/bench/README.md, "H200,
-    # eleventh session")
+    # than this: a wide margin absorbs the pauses of the gateway and the step's own jitter, at the
+    # price of more, smaller Code2Wav launches
     safety_margin_s: float = 0.4
-    codec_delivery_steps: int = 0  # steps between a chunk's launch and its audio (deferring runner)
-    # a deferring runner collects a short chunk in its own step when its listener would run dry
-    # before the next step's delivery (CodecChunk.urgent). Off: on the H200 at 512 streams it split
-    # Code2Wav into more, smaller launches and more streams underran (58 % against 28 %), though
-    # fewer did at 256 (2.3 % against 4.6 %; deploy/bench/README.md, seventh session)
-    urgent_codec_chunks: bool = False
     # rows per step whose just-sampled frame is decoded in the same step, like a first frame, because
     # their listener would run dry before that frame's next-step launch and delivery (the most urgent
-    # first; a stream with a chunk in the step is left out). With a deferring runner a stream's second
-    # chunk otherwise comes three steps after its first audio, and long steps early in a stream were
-    # where most underruns began. Simulated on the H200's costs (bench/sim_engine.py, delivery
-    # jitter as measured): underruns at 256/384/512 streams 2.4/6.9/22 % -> 0.0/0.0/0.1 %, the step
-    # +0.5 ms. On the H200 (fused layers) streams underrunning at 384 went 12.3 % -> 0 %; TTFA p90 at
-    # 256 rose, which the simulation does not reproduce (deploy/bench/sim-now-frames-ttfa.txt). 0: off
+    # first; a stream with a chunk in the step is left out). With a deferring runner a stream's
+    # second chunk otherwise comes three steps after its first audio, and long steps early in a
+    # stream are where underruns begin. 0: off
     max_now_frame_rows: int = 64
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
@@ -101,16 +91,17 @@ class SchedulerConfig:
             raise ValueError("codec_frame_buckets must contain 1")
         self.codec_frame_buckets = tuple(sorted(set(self.codec_frame_buckets)))
 
-    def override(self, items: Iterable[str]) -> None:
-        """Set fields from `FIELD=JSON` strings (`urgent_codec_chunks=true`, `max_early_codec_rows=96`),
-        each checked against the field's current type; a wrong name or type raises ValueError."""
+    def override(self, items: Iterable[str]) -> SchedulerConfig:
+        """Set fields from `FIELD=JSON` strings (`max_early_codec_rows=96`, `preempt_bulk=false`),
+        each checked against the field's current type; a wrong name or type raises ValueError.
+        Returns this config."""
+        names = [f.name for f in fields(self)]
         for item in items:
             key, sep, text = item.partition("=")
             key = key.strip()
-            if not sep or key not in self.__dataclass_fields__:
+            if not sep or key not in names:
                 raise ValueError(
-                    f"scheduler option {item!r}: expected FIELD=VALUE with FIELD one of "
-                    f"{', '.join(sorted(self.__dataclass_fields__))}"
+                    f"scheduler option {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(names))}"
                 )
             try:
                 value = json.loads(text)
@@ -125,6 +116,7 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler option {key}: expected {type(current).__name__}, got {text!r}")
             setattr(self, key, value)
         self.__post_init__()
+        return self
 
 
 def chunk_frames(schedule: ChunkSchedule, index: int) -> int:
@@ -140,8 +132,14 @@ class Scheduler:
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
         prefix_lookup: Callable[[str, int], bool] | None = None,
+        *,
+        eos_code: int = EOS_CODE,
+        codec_delivery_steps: int = 0,
     ) -> None:
         self.config = config
+        self.eos_code = eos_code  # the model's codebook-0 id that ends a segment (not a frame)
+        # steps between a Code2Wav chunk's launch and its audio: the runner's (1 when it defers)
+        self.codec_delivery_steps = codec_delivery_steps
         # (key, positions) -> cached? A hit starts the segment's prefill after its prompt prefix
         self.prefix_lookup = prefix_lookup
         self._prefix_copies: list[PrefixCopy] = []
@@ -253,7 +251,6 @@ class Scheduler:
                     samples_frame=n == remaining,
                     frame_index=seg.frames,
                     utterance_frame=r.frames_generated,
-                    new_segment=start == seg.copied and seg.frames == 0,
                     codes=r.codes[seg.first_frame : seg.first_frame + seg.frames] if seg.frames else [],
                     sampling=r.sampling,
                     copied=seg.copied,
@@ -370,7 +367,7 @@ class Scheduler:
         """Each live decode row wrote one talker position and sampled one frame (codes[i] for row i):
         count the position, keep the frame. One pass, the common case of _append_frame inline (a
         frame that neither ends nor fills its segment)."""
-        requests, set_length, eos = self.requests, self.kv.set_length, self.config.eos_code
+        requests, set_length, eos = self.requests, self.kv.set_length, self.eos_code
         for row, frame in zip(decode, codes, strict=False):  # then come the prompt chunks' frames
             r = requests.get(row.request_id)
             if r is None or r.status >= _FINISHED:
@@ -407,7 +404,7 @@ class Scheduler:
             o = outs.get(rid)
             if o is None:
                 o = outs[rid] = RequestOutput(rid)
-            if o.audio is None:  # a stream's deferred chunk and an urgent one share one output
+            if o.audio is None:  # a stream's deferred chunk and a frame decoded now share one output
                 o.sample_offset = r.frames_decoded * SAMPLES_PER_FRAME
                 o.audio = audio.get(rid)
             first = r.first_audio_time
@@ -546,7 +543,7 @@ class Scheduler:
     def _append_frame(self, r: Request, codes: Frame, out_for: Callable[[Request], RequestOutput]) -> None:
         seg = r.current
         assert seg is not None
-        if codes[0] == self.config.eos_code:
+        if codes[0] == self.eos_code:
             seg.done = True
         else:
             # the runner's row (a tuple, engine.qwen3.plan.Frame) becomes the request's frame: a copy per
@@ -623,7 +620,7 @@ class Scheduler:
         """Sampling rows of streams whose listener would run dry before the frame sampled now could
         be launched in the next step and delivered (the most urgent first, at most
         `max_now_frame_rows`); a stream with a chunk in this step is left out (its chunk comes first)."""
-        wait = self.config.safety_margin_s + (2 + self.config.codec_delivery_steps) * self.step_time_s
+        wait = self.config.safety_margin_s + (2 + self.codec_delivery_steps) * self.step_time_s
         in_step = {c.request_id for c in plan.codec}
         rows = plan.sampling_rows
         row_of = {rid: i for i, rid in enumerate(rows)}
@@ -668,13 +665,8 @@ class Scheduler:
         if config.codec_frames_over_production:
             chosen = self._smooth(chosen, now)
         work: list[CodecChunk] = []
-        # deferred audio comes a step later than audio collected in its step
-        urgent_below = config.safety_margin_s + (1 + config.codec_delivery_steps) * self.step_time_s
-        may_be_urgent = config.urgent_codec_chunks and config.codec_delivery_steps > 0
-        for r, n, why in chosen:
+        for r, n, _ in chosen:
             start = r.frames_launched
-            urgent = may_be_urgent and why == EARLY and r.deadline - now < urgent_below
-            # (request_id, codec_slot, first_frame, codes, first_chunk, urgent)
             work.append(
                 CodecChunk(
                     r.request_id,
@@ -682,7 +674,6 @@ class Scheduler:
                     start,
                     r.codes[start : start + n],
                     r.chunks_emitted == 0,
-                    urgent,
                 )
             )
         return work
@@ -700,7 +691,7 @@ class Scheduler:
         step_time, margin, delivery_steps = (
             self.step_time_s,
             config.safety_margin_s,
-            config.codec_delivery_steps,
+            self.codec_delivery_steps,
         )
         ready = []
         caught_up: list[Request] = []
@@ -739,7 +730,7 @@ class Scheduler:
             self.config.codec_frames_over_production * self._frames_per_step,
             self.config.codec_frame_buckets[-1],
         )
-        wait = self.config.safety_margin_s + (2 + self.config.codec_delivery_steps) * self.step_time_s
+        wait = self.config.safety_margin_s + (2 + self.codec_delivery_steps) * self.step_time_s
         kept, frames = [], 0
         for r, n, why in chosen:
             frames += n
@@ -751,8 +742,8 @@ class Scheduler:
 
     def _merge_small_groups(self, chosen: list[tuple[Request, int, int]], now: float) -> None:
         """Fewer Code2Wav launches: the later chunks of one size run as one launch per size, and a
-        launch costs about the same whatever its size at small batches (an H200: 2.5 ms for 1 row x
-        1 frame, 6 ms for 64 rows). A group of fewer than `merge_codec_groups_below` chunks is cut
+        launch costs nearly the same whatever its size at small batches (bench/gpu_codec_bench.py
+        gives the cost per shape). A group of fewer than `merge_codec_groups_below` chunks is cut
         down to the next smaller size present in the step when every row of it can wait: after the
         smaller chunk its listener still holds the safety margin and the next step. The rest of
         their frames go in later steps. First chunks and final flushes are never cut."""
@@ -760,7 +751,7 @@ class Scheduler:
         for i, (r, n, _) in enumerate(chosen):
             if r.chunks_emitted:
                 groups.setdefault(n, []).append(i)
-        wait = self.config.safety_margin_s + (1 + self.config.codec_delivery_steps) * self.step_time_s
+        wait = self.config.safety_margin_s + (1 + self.codec_delivery_steps) * self.step_time_s
         for f in sorted(groups, reverse=True):
             rows = groups[f]
             smaller = [m for m, members in groups.items() if m < f and members]

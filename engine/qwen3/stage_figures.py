@@ -19,7 +19,7 @@ class StageFigures:
     have reached the host (no extra synchronisation); on the CPU by the wall clock.
     """
 
-    def __init__(self, cuda: bool, smoothing: float = 0.1, one_stream: bool = True) -> None:
+    def __init__(self, cuda: bool, smoothing: float = 0.1) -> None:
         self.cuda = cuda
         self.smoothing = smoothing
         names = [f"step_ms_{s}" for s in STAGES] + [f"batch_{s}" for s in STAGES]
@@ -29,9 +29,9 @@ class StageFigures:
         )  # every key up front: readers on other threads see a fixed dict
         self._seen: set[str] = set()
         self._open: list[tuple[str, object, object]] = []
-        # every stage on one CUDA stream: the time from one stage's end to the next one's start is
+        # the stages run on one CUDA stream: the time from one stage's end to the next one's start is
         # the GPU waiting for the host (or running small untimed work: prompt embeddings, copies)
-        self.gaps = cuda and one_stream
+        self.gaps = cuda
         self._last_stop: object = None
         self.steps = 0
 

@@ -53,18 +53,6 @@ def _wants_codes(text: str | None) -> bool:
     return bool(text and text.strip())
 
 
-def build_voice(
-    speaker_encoder: Any, speech_tokenizer: Any, audio: npt.NDArray[Any], sample_rate: int, text: str | None
-) -> VoicePrompt:
-    """Uncached: check the clip, embed the speaker, and encode reference codes when a transcript is
-    given (in-context cloning); without one the voice is x-vector only."""
-    clip = prepare_reference_audio(audio, sample_rate)
-    codes = speech_tokenizer.encode(clip) if _wants_codes(text) else None
-    return VoicePrompt(
-        speaker_encoder.embed(clip), codes, text if codes is not None else None, clip_key(audio, sample_rate)
-    )
-
-
 class VoicePromptCache:
     def __init__(
         self,

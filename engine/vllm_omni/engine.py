@@ -52,6 +52,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from engine.api import (
     AudioChunk,
+    ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
@@ -60,6 +61,7 @@ from engine.api import (
     Overloaded,
     Priority,
     SynthesisRequest,
+    SynthesisStream,
     TextSegment,
     UnknownVoice,
     WordTiming,
@@ -636,7 +638,7 @@ class _Retry(Exception):
     """The connection broke before the segment's first audio: try it again."""
 
 
-class VllmOmniStream:
+class VllmOmniStream(SynthesisStream):
     """One utterance: segments go upstream one by one, PCM comes back as AudioChunks."""
 
     def __init__(self, engine: VllmOmniEngine, request: SynthesisRequest, fields: dict[str, Any]) -> None:
@@ -680,6 +682,10 @@ class VllmOmniStream:
         self._drop_connection()
         if self.task is not None:
             self.task.cancel()
+
+    def listen(self, listener: ChunkListener) -> bool:
+        self.channel.listen(listener)
+        return True
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()

@@ -95,7 +95,7 @@ class DirectoryEngine:
         return _DirectoryStream(stream, self.cluster, key)
 
 
-class _DirectoryStream:
+class _DirectoryStream(SynthesisStream):
     def __init__(self, inner: SynthesisStream, cluster: Cluster, key: str) -> None:
         self.inner = inner
         self.request_id = inner.request_id
@@ -107,6 +107,9 @@ class _DirectoryStream:
 
     def close_text(self) -> None:
         self.inner.close_text()
+
+    def set_word_alignment(self, mode: str) -> None:
+        self.inner.set_word_alignment(mode)
 
     def cancel(self) -> None:
         self.inner.cancel()

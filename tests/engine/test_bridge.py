@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.api import AudioChunk, EngineError
-from engine.bridge import ChunkBatch, ChunkChannel, LoopChunkChannel, deliver_on_producer_thread, listen
+from engine.bridge import ChunkBatch, ChunkChannel, LoopChunkChannel, deliver_on_producer_thread
 
 
 def chunk(rid: str, offset: int) -> AudioChunk:
@@ -140,7 +140,7 @@ async def test_a_first_chunk_posted_after_later_chunks_of_other_streams_is_deliv
     log: list[tuple[str, object]] = []
     a, b, c = ChunkChannel(), ChunkChannel(), ChunkChannel()
     for name, ch in zip("abc", (a, b, c), strict=True):
-        listen(ch.__aiter__(), Recorder(log, name))
+        ch.listen(Recorder(log, name))
     on_thread(lambda: (a.put(chunk("a", 0)), b.put(chunk("b", 0))))
     await asyncio.sleep(0)
     log.clear()  # a and b are under way; c's first chunks come last in the next step
@@ -181,7 +181,7 @@ async def test_a_listener_gets_what_was_queued_then_the_rest_and_one_end_after_a
     ch = ChunkChannel()
     on_thread(lambda: ch.put(chunk("a", 0)))
     await asyncio.sleep(0)  # queued: nobody iterates yet
-    listen(ch.__aiter__(), Recorder(log, "a"))
+    ch.listen(Recorder(log, "a"))
     on_thread(
         lambda: (
             ch.put(chunk("a", 4)),
@@ -199,8 +199,8 @@ async def test_a_listener_gets_what_was_queued_then_the_rest_and_one_end_after_a
 async def test_a_listener_gets_a_failure_after_the_chunks_before_it_and_an_end_on_close() -> None:
     log: list[tuple[str, object]] = []
     failing, closed = ChunkChannel(), LoopChunkChannel()
-    listen(failing.__aiter__(), Recorder(log, "f"))
-    listen(closed.__aiter__(), Recorder(log, "c"))
+    failing.listen(Recorder(log, "f"))
+    closed.listen(Recorder(log, "c"))
     on_thread(
         lambda: (
             failing.put(chunk("f", 0)),
@@ -215,21 +215,14 @@ async def test_a_listener_gets_a_failure_after_the_chunks_before_it_and_an_end_o
     assert log == [("c", 0), ("f", 0), ("f", "fail: gpu fell over"), ("c", "end")]
 
 
-async def test_listen_declines_an_iterator_that_is_not_a_channel() -> None:
-    async def chunks():  # type: ignore[no-untyped-def]
-        yield chunk("a", 0)
-
-    assert not listen(chunks(), Recorder([], "a"))
-
-
 async def test_listeners_can_take_items_on_the_posting_thread_after_what_waited_in_the_mailbox() -> None:
     log: list[tuple[str, object]] = []
     batches: list[int] = []
     deliver_on_producer_thread(asyncio.get_running_loop(), lambda: batches.append(threading.get_ident()))
     early, late, iterated = ChunkChannel(), ChunkChannel(), ChunkChannel()
     on_thread(lambda: early.put(chunk("e", 0)))  # no listener yet: it waits for the loop
-    listen(early.__aiter__(), Recorder(log, "e"))
-    listen(late.__aiter__(), Recorder(log, "l"))
+    early.listen(Recorder(log, "e"))
+    late.listen(Recorder(log, "l"))
     assert log == [("e", 0)]
     seen: list[list[tuple[str, object]]] = []
 

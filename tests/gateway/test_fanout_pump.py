@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from websockets.frames import Frame, Opcode
 
-from engine.api import AudioChunk, EngineInfo, SynthesisRequest
+from engine.api import AudioChunk, EngineInfo, SynthesisRequest, SynthesisStream
 from gateway.config import GatewayConfig
 from gateway.messages import unpack_packet
 from gateway.metrics import GatewayMetrics
@@ -90,7 +90,7 @@ class OneStreamEngine:
         return stream
 
 
-class FakeStream:
+class FakeStream(SynthesisStream):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.queue: asyncio.Queue[AudioChunk | None] = asyncio.Queue()

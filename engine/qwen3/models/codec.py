@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.qwen3.models import fused_rope, fused_snake
-from engine.qwen3.models.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from engine.qwen3.models.layers import RMSNorm
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ reporting the model's compute dtype, and `.to(dtype)` moves them between devices
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -173,9 +172,6 @@ class Fp8Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone())
         return layer
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return dequantize_rows(self.weight, self.weight_scale[:, None], dtype)
-
     def forward(self, x: Tensor) -> Tensor:
         lead, k = x.shape[:-1], self.in_features
         native = not self.emulate and native_fp8(x.device)
@@ -252,8 +248,8 @@ def triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-# CADENCE_FP8_TRITON=0 quantises activations with the torch ops instead (for comparisons)
-_triton_state = {"enabled": triton is not None and os.environ.get("CADENCE_FP8_TRITON", "1") != "0"}
+# the activation kernel serves until it fails to compile or launch here (then the torch ops do)
+_triton_state = {"enabled": triton is not None}
 
 
 def guarded_triton_quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

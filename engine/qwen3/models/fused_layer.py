@@ -3,7 +3,7 @@
 Eagerly a Qwen3 layer launches some 20-27 kernels for one token per row: three projections, two
 head norms, two rotations, two cache writes, the residual adds, the norms, SiLU and the gate
 product. The code predictor runs its five layers 16 times a frame and the talker its 28 once, so at
-every batch size a step's time went mostly to launches (deploy/bench/README.md). Here:
+every batch size launches, not arithmetic, set most of a step's time. Here:
 
 - `add_rms_norm`: the residual add and the next RMSNorm in one pass (both outputs kept);
 - `qkv_post`: query and key head norms, the rotary embedding of both, and the keys' and values'
@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from engine.qwen3.models.fused_norm import eager_rms_norm
 from engine.qwen3.models.kernel_guard import KernelGuard
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 try:
     import triton
@@ -220,9 +222,6 @@ def fuse_linears(*linears: nn.Linear) -> Tensor | None:
 
 
 def _compare(device: torch.device) -> None:
-    from engine.qwen3.models.fused_norm import eager_rms_norm
-    from engine.qwen3.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-
     gen = torch.Generator(device="cpu").manual_seed(11)
     bf16 = torch.bfloat16
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from engine.qwen3.models.kernel_guard import KernelGuard
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 try:
     import triton
@@ -29,7 +30,7 @@ if triton is not None:
     @triton.jit
     def _round(v, dtype: tl.constexpr):
         """v (fp32) rounded to `dtype` and back, as eager rounds each product. For bf16 with integer
-        ops (nearest, ties to even): a plain cast pair was folded into an FMA by the compiler."""
+        ops (nearest, ties to even): the compiler folds a plain cast pair into an FMA."""
         if dtype == tl.bfloat16:
             bits = v.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
@@ -63,8 +64,6 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _compare(device: torch.device) -> None:
-    from engine.qwen3.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
-
     gen = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(3, 2, 16, 128, generator=gen).to(device, torch.bfloat16)
     positions = torch.randint(0, 512, (3, 2), generator=gen).to(device)

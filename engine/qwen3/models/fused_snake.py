@@ -17,9 +17,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-enabled = True  # benchmarks flip this to time the eager activation
-
-
 if triton is not None:
     # Flat over the tensor's elements, channels last: the channel of an element is its index
     # modulo the channel count.
@@ -66,8 +63,7 @@ MAX_NUMEL = 2**31 - BLOCK  # 32-bit element offsets in the kernels
 
 def available(x: Tensor) -> bool:
     return (
-        enabled
-        and triton is not None
+        triton is not None
         and x.is_cuda
         and x.numel() <= MAX_NUMEL
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -1,4 +1,5 @@
-"""Qwen3 decoder building blocks: RMSNorm, RoPE, GQA attention over a static KV cache, SwiGLU MLP.
+"""Qwen3 decoder building blocks: RMSNorm, GQA attention over a static KV cache with rotary position
+embedding (engine.qwen3.models.rope), SwiGLU MLP.
 
 Shapes are fixed per call and nothing here reads tensors back to the host, so a runner can batch
 requests of different lengths and capture the steps as CUDA graphs.
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from engine.qwen3.models import decode_attention, fused_layer, fused_norm, fused_rope
 from engine.qwen3.models.config import DecoderShape
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -30,35 +32,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if fused_norm.available(x, self.weight):
             return fused_norm.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta**exponent)
-
-
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [B, T] -> cos, sin [B, T, head_dim] (computed in fp32, then cast).
-
-    The talker's interleaved M-RoPE uses three identical position streams, which reduces to this."""
-    freqs = positions.float()[..., None] * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+        return fused_norm.eager_rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -78,10 +52,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return int(self.k.shape[3])
-
-    @property
-    def scratch_position(self) -> int:
-        return self.max_len - 1
 
 
 class Attention(nn.Module):

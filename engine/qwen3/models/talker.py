@@ -77,7 +77,7 @@ class Talker(nn.Module):
         kv_len: int,
         lengths: Tensor | None = None,
     ) -> Tensor:
-        """embeds [B, T, H], positions [B, T] (padded entries at cache.scratch_position), slots [B]
+        """embeds [B, T, H], positions [B, T] (padded entries at the cache's last, scratch position), slots [B]
         -> final hidden states [B, T, H]. Writes the rows' keys/values into their cache slots.
         lengths [B]: for one-token decode on CUDA, the positions each row attends (decode kernel)."""
         return self.model.run_layers(embeds, positions, cache, slots, kv_len, lengths)

@@ -11,6 +11,7 @@ import pytest
 from engine.aligned import AlignedEngine
 from engine.api import AudioChunk, SynthesisRequest, TextSegment
 from tests.engine.alignment.tiny_aligner import tiny_aligner
+from tests.engine.qwen3.utils import engine_config
 from tests.fakes import FakeEngine
 
 CASES = {
@@ -93,12 +94,12 @@ def tts_bundle(tmp_path_factory):
 
 
 def qwen3_engine(bundle, **overrides):
-    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+    from engine.qwen3.engine import Qwen3Engine
 
     b, codec = bundle
     cfg = dict(max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False)
     cfg.update(overrides)
-    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, Qwen3EngineConfig(**cfg))
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, engine_config(**cfg))
     engine._ready = True  # steps are driven by hand (no step thread)
     return engine
 

@@ -12,7 +12,15 @@ import pytest
 
 from aligner.api import AlignedWord, AlignInput
 from engine.aligned import AlignedEngine
-from engine.api import AudioChunk, EngineInfo, EngineLoad, SynthesisRequest, TextSegment, WordTiming
+from engine.api import (
+    AudioChunk,
+    EngineInfo,
+    EngineLoad,
+    SynthesisRequest,
+    SynthesisStream,
+    TextSegment,
+    WordTiming,
+)
 from tests.engine.alignment.fakes import SpreadAligner
 
 RATE = 24_000
@@ -35,7 +43,7 @@ class CostlyAligner(SpreadAligner):
         return super().align(batch)
 
 
-class PacedStream:
+class PacedStream(SynthesisStream):
     """One segment of `frames` 40 ms frames made 10x faster than real time, its words on the last."""
 
     def __init__(self, request: SynthesisRequest, frames: int) -> None:

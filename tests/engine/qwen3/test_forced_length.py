@@ -3,7 +3,6 @@ gateway cut its text, on a random checkpoint written by bench/random_checkpoint.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
-from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig, share_frames
+from engine.qwen3.engine import Qwen3Engine, share_frames
+from tests.engine.qwen3.utils import engine_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -29,8 +29,7 @@ def test_frames_are_shared_by_characters_and_sum_to_the_total(total: int, length
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Qwen3Engine:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from random_checkpoint import write_checkpoint
+    from bench.random_checkpoint import write_checkpoint
 
     path = tmp_path_factory.mktemp("random_tiny")
     write_checkpoint(path, "tiny", "cpu", ROOT / "deploy" / "bench" / "corpus.jsonl")
@@ -39,7 +38,7 @@ def engine(tmp_path_factory) -> Qwen3Engine:
         path,
         "cpu",
         torch.float32,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
-from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+from engine.qwen3.engine import Qwen3Engine
 from engine.qwen3.models.layers import KVCache
 from engine.qwen3.plan import StepPlan
 from engine.qwen3.prefix_cache import PrefixKVCache, prefix_key, prefix_length
@@ -17,6 +17,7 @@ from engine.qwen3.prompt_builder import build_prompt_embeds
 from engine.qwen3.prompts import PromptRequest, tokenize_request
 from tests.engine.qwen3.test_qwen3_engine import bundle, checkpoint, drive, make_engine  # noqa: F401
 from tests.engine.qwen3.test_voice_clone import clip
+from tests.engine.qwen3.utils import engine_config
 
 pytestmark = pytest.mark.reference
 INSTRUCT = "Speak slowly and warmly."
@@ -65,7 +66,7 @@ def base_engine(tmp_path_factory) -> Qwen3Engine:
         path,
         "cpu",
         torch.float32,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=160, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from engine.api import SynthesisRequest, TextSegment
-from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+from engine.qwen3.engine import Qwen3Engine
 from engine.qwen3.generate import GenerationRequest, generate_codes
 from engine.qwen3.prompt_builder import build_prompt
 from engine.qwen3.prompts import PromptRequest
 from engine.qwen3.request import RequestStatus
+from tests.engine.qwen3.utils import engine_config
 
 pytestmark = pytest.mark.reference
 
@@ -37,7 +38,7 @@ def make_engine(bundle, **overrides) -> Qwen3Engine:
     b, codec = bundle
     cfg = dict(max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False)
     cfg.update(overrides)
-    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, Qwen3EngineConfig(**cfg))
+    engine = Qwen3Engine(b.config, b.generation, b.tokenizer, b.talker, codec, engine_config(**cfg))
     engine._ready = True  # steps are driven by hand below (no step thread)
     return engine
 
@@ -118,8 +119,8 @@ async def test_batched_greedy_output_equals_offline_generation_and_streamed_audi
         np.testing.assert_allclose(audio, offline, atol=1e-4)
 
 
-def test_a_streams_deferred_chunk_and_its_urgent_next_one_leave_one_step_in_order(bundle):
-    """A chunk deferred last step and the same stream's urgent chunk now: one output, in order."""
+def test_a_streams_deferred_chunk_and_its_frame_decoded_now_leave_one_step_in_order(bundle):
+    """A chunk deferred last step and the same stream's frame decoded in this step: one output, in order."""
     from engine.qwen3.plan import CodecChunk, StepPlan
 
     runner = make_engine(bundle, defer_codec=True).runner
@@ -127,19 +128,18 @@ def test_a_streams_deferred_chunk_and_its_urgent_next_one_leave_one_step_in_orde
         lambda: {c.request_id: np.full(c.num_frames * 1920, c.first_frame, np.float32) for c in chunks}
     )
 
-    def chunk(first_frame: int, frames: int, urgent: bool) -> CodecChunk:
+    def chunk(first_frame: int, frames: int) -> CodecChunk:
         return CodecChunk(
             request_id="x",
             codec_slot=0,
             first_frame=first_frame,
             codes=[[0] * 16] * frames,
             first_chunk=False,
-            urgent=urgent,
         )
 
-    audio, delivered = runner._run_codec(StepPlan(step=1, codec=[chunk(1, 2, urgent=False)]), [])
+    audio, delivered = runner._run_codec(StepPlan(step=1, codec=[chunk(1, 2)]), [])
     assert audio == {} and delivered == []
-    audio, delivered = runner._run_codec(StepPlan(step=2, codec=[chunk(3, 1, urgent=True)]), [])
+    audio, delivered = runner._run_codec(StepPlan(step=2), [chunk(3, 1)])
     assert delivered == [("x", 2), ("x", 1)]
     assert audio["x"].tolist() == [1.0] * 2 * 1920 + [3.0] * 1920
 
@@ -196,7 +196,7 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer)
 @pytest.mark.parametrize("defer", [False, True], ids=["codec-now", "codec-deferred"])
 async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_audio(bundle, defer):
     _, codec = bundle
-    engine = make_engine(bundle, defer_codec=defer, scheduler_overrides=("max_now_frame_rows=64",))
+    engine = make_engine(bundle, defer_codec=defer, max_now_frame_rows=64)
     ticks = itertools.count()
     engine.scheduler.clock = lambda: 0.03 * next(ticks)  # slow steps: every listener runs low
     planned = engine.scheduler._first_audio_now
@@ -249,24 +249,31 @@ def test_load_reports_kv_bytes_per_stream(bundle):
     assert load.extra["kv_bytes_per_token"] == per_token
 
 
-def test_scheduler_overrides_apply_after_the_engines_own_settings(bundle):
-    engine = make_engine(
-        bundle, defer_codec=True, scheduler_overrides=("urgent_codec_chunks=true", "codec_delivery_steps=2")
+def test_the_runner_takes_its_sizes_from_the_scheduler_and_sets_its_delivery_steps(bundle):
+    """One owner per setting: the runner is built with the scheduler's sizes, and the steps between a
+    Code2Wav launch and its audio follow the runner (no setting of the scheduler's)."""
+    engine = make_engine(bundle, defer_codec=True, max_batch=3, codec_frame_buckets=(1, 2, 4))
+    config = engine.scheduler.config
+    assert config is engine.econfig.scheduler
+    assert (
+        (engine.runner.max_batch, engine.runner.codec_slots)
+        == (config.max_batch, config.codec_slots)
+        == (3, 4)
     )
-    assert engine.scheduler.config.urgent_codec_chunks is True
-    assert engine.scheduler.config.codec_delivery_steps == 2  # set by the runner first, then overridden
-    assert make_engine(bundle, defer_codec=True).scheduler.config.urgent_codec_chunks is False
+    assert engine.runner.codec_frame_buckets == config.codec_frame_buckets == (1, 2, 4)
+    assert engine.runner.num_slots == 4 and engine.runner.config is engine.econfig.runner
+    assert engine.scheduler.codec_delivery_steps == 1
+    assert make_engine(bundle, defer_codec=False).scheduler.codec_delivery_steps == 0
+    assert engine.econfig.max_streams == 4
+    with pytest.raises(AttributeError):
+        engine.econfig.max_streams = 8  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("urgent", [False, True], ids=["deferred", "urgent-in-step"])
-async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
-    """Later chunks come with the next step; urgent ones (the listener would run dry first) and
-    first chunks with their own, after the same stream's deferred chunk when both come at once."""
+async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle):
+    """Later chunks come with the next step; first chunks and frames decoded in their own step
+    with theirs, after the same stream's deferred chunk when both come at once."""
     engine = make_engine(bundle, defer_codec=True)
-    engine.scheduler.config.urgent_codec_chunks = urgent
     engine.scheduler.config.max_now_frame_rows = 0  # slow CPU steps would decode every frame in its step
-    if urgent:  # a slow step (as on this CPU): every short chunk's listener is about to run dry
-        engine.scheduler.config.safety_margin_s = 10.0
     steps = []
     execute = engine.runner.execute
 
@@ -281,14 +288,10 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle, urgent):
     chunks = await collect(stream)
     assert state.status == RequestStatus.FINISHED_STOPPED and sum(len(c.samples) for c in chunks) == 8 * 1920
     assert [c.sample_offset for c in chunks] == list(np.cumsum([0] + [len(c.samples) for c in chunks[:-1]]))
-    later = [
-        [(c.request_id, c.num_frames) for c in plan.codec if not (c.first_chunk or c.urgent)]
-        for plan, _ in steps
-    ]
-    urgent_chunks = [c for plan, _ in steps for c in plan.codec if c.urgent]
-    assert bool(urgent_chunks) == urgent and (any(later) or urgent)
+    later = [[(c.request_id, c.num_frames) for c in plan.codec if not c.first_chunk] for plan, _ in steps]
+    assert any(later)
     for i, (plan, out) in enumerate(steps):
-        now = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk or c.urgent]
+        now = [(c.request_id, c.num_frames) for c in plan.codec if c.first_chunk]
         now += [(f.request_id, 1) for f in plan.first_audio_now]
         assert out.delivered == (later[i - 1] if i else []) + now, f"step {i}"
         frames: dict[str, int] = {}
@@ -337,3 +340,14 @@ async def test_a_prompt_that_fails_to_build_fails_alone_in_its_batch(bundle, mon
         await collect(bad_stream)
     assert good_state.status == RequestStatus.FINISHED_STOPPED and good_state.frames_generated == 3
     assert (await collect(good_stream))[-1].final
+
+
+def test_an_unknown_language_lists_the_models_languages(bundle):
+    from engine.api import InvalidRequest
+
+    engine = make_engine(bundle)
+    with pytest.raises(
+        InvalidRequest, match="unsupported language 'Klingon'; this model speaks auto, .*english"
+    ):
+        engine.open(SynthesisRequest(request_id="k", voice="ryan", language="Klingon"))
+    assert "k" not in engine.scheduler.requests

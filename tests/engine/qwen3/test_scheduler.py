@@ -23,7 +23,7 @@ def test_new_request_is_prefilled_and_samples_its_first_frame_in_one_step():
     sched.add_request(r)
     plan = sched.schedule()
     assert [c.length for c in plan.prefill] == [12]
-    assert plan.prefill[0].samples_frame and plan.prefill[0].new_segment
+    assert plan.prefill[0].samples_frame and plan.prefill[0].start == 0 and not plan.prefill[0].codes
     assert plan.sampling_rows == ["r0"]
     sched.update(plan, fake_output(plan))
     assert r.status == RequestStatus.DECODING
@@ -180,7 +180,7 @@ def test_interactive_preempts_bulk_which_later_resumes_with_recompute():
             break
     (chunk,) = resumed
     # the context is rebuilt: prompt (4) + the 3 frames generated before the preemption
-    assert (chunk.start, chunk.length, chunk.prompt_len, chunk.new_segment) == (0, 7, 4, False)
+    assert (chunk.start, chunk.length, chunk.prompt_len) == (0, 7, 4)
     assert chunk.codes == bulk.codes[:3] and chunk.frame_index == 3
     run_steps(sched, 5)
     assert bulk.frames_generated == 5
@@ -565,33 +565,6 @@ def test_a_steps_codec_frames_stay_near_production_when_listeners_can_wait():
     assert len(sched._schedule_codec(clock.t)) == 8
 
 
-def test_with_deferred_delivery_a_chunk_is_urgent_only_when_its_listener_runs_dry_before_it():
-    clock = FakeClock(10.0)
-    # step 50 ms: a deferred chunk arrives about two steps on; the margin is 100 ms
-    dry = _waiting_chunk("dry-", 1, 1, clock, buffered_s=0.15)  # early, and dry before 0.2 s
-    thin = _waiting_chunk("thin-", 2, 1, clock, buffered_s=0.25)  # early (wants 4), holds out 0.2 s
-    calm = _waiting_chunk("calm-", 3, 8, clock, buffered_s=0.05)  # on schedule: never urgent
-    sched = create_scheduler(
-        num_kv_slots=64,
-        clock=clock,
-        codec_slots=64,
-        codec_delivery_steps=1,
-        safety_margin_s=0.1,
-        merge_codec_groups_below=0,
-        urgent_codec_chunks=True,
-    )
-    sched.step_time_s = 0.05
-    for slot, r in enumerate((dry, thin, calm)):
-        r.codec_slot = slot
-        sched.requests[r.request_id] = r
-    urgent = {c.request_id: c.urgent for c in sched._schedule_codec(clock.t)}
-    assert urgent == {"dry-0": True, "thin-0": False, "calm-0": False}
-    sched.config.urgent_codec_chunks = False
-    assert not any(c.urgent for c in sched._schedule_codec(clock.t))
-    sched.config.urgent_codec_chunks, sched.config.codec_delivery_steps = True, 0  # in-step delivery anyway
-    assert not any(c.urgent for c in sched._schedule_codec(clock.t))
-
-
 def test_a_streams_two_chunks_delivered_in_one_step_make_one_output_at_the_earlier_offset():
     import numpy as np
 
@@ -599,7 +572,7 @@ def test_a_streams_two_chunks_delivered_in_one_step_make_one_output_at_the_earli
 
     clock = FakeClock(10.0)
     r = _waiting_chunk("two-", 2, 0, clock)
-    r.frames_launched = 43  # frames 40-42 in flight: a deferred 2-frame chunk, an urgent 1-frame one
+    r.frames_launched = 43  # frames 40-42 in flight: a deferred 2-frame chunk, a frame decoded in its step
     sched = create_scheduler(num_kv_slots=64, clock=clock, codec_slots=64)
     r.codec_slot = 0
     sched.requests[r.request_id] = r
@@ -612,15 +585,16 @@ def test_a_streams_two_chunks_delivered_in_one_step_make_one_output_at_the_earli
 
 def test_config_override_sets_typed_fields_and_rejects_bad_names_and_types():
     config = SchedulerConfig()
-    config.override(
+    returned = config.override(
         [
-            "urgent_codec_chunks=false",
+            "preempt_bulk=false",
             "max_early_codec_rows=96",
             "safety_margin_s=1",
             "codec_frame_buckets=[4, 1, 2]",
         ]
     )
-    assert config.urgent_codec_chunks is False and config.max_early_codec_rows == 96
+    assert returned is config
+    assert config.preempt_bulk is False and config.max_early_codec_rows == 96
     assert config.safety_margin_s == 1.0 and isinstance(config.safety_margin_s, float)
     assert config.codec_frame_buckets == (1, 2, 4)  # sorted again, as at construction
     for bad, message in [
@@ -628,8 +602,11 @@ def test_config_override_sets_typed_fields_and_rejects_bad_names_and_types():
         ("max_batch", "FIELD=VALUE"),
         ("max_batch=yes", "not a JSON value"),
         ("max_batch=1.5", "expected int"),
-        ("urgent_codec_chunks=1", "expected bool"),
+        ("preempt_bulk=1", "expected bool"),
         ("codec_frame_buckets=[2]", "must contain 1"),
+        # derived from the model and the runner: not settings
+        ("codec_delivery_steps=2", "FIELD one of"),
+        ("eos_code=7", "FIELD one of"),
     ]:
         with pytest.raises(ValueError, match=message):
             SchedulerConfig().override([bad])

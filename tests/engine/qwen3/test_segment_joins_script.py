@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import gpu_segment_joins as joins
 from engine.api import TextSegment, WordTiming
-
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-
-from bench import gpu_segment_joins as joins  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

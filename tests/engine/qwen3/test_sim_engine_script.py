@@ -57,9 +57,9 @@ def test_scheduler_fields_are_set_from_the_command_line() -> None:
 
     costs = load_costs(None, None)
     a = args(None)
-    a.set = ["max_early_codec_rows=7", "urgent_codec_chunks=true"]
+    a.set = ["max_early_codec_rows=7", "preempt_bulk=false"]
     config = Simulation(a, 8, costs).sched.config
-    assert config.max_early_codec_rows == 7 and config.urgent_codec_chunks is True
+    assert config.max_early_codec_rows == 7 and config.preempt_bulk is False
     a.set = ["no_such_field=1"]
     with pytest.raises(SystemExit, match="no_such_field"):
         Simulation(a, 8, costs)

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from engine.api import InvalidAudio, SynthesisRequest, TextSegment
-from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+from engine.qwen3.engine import Qwen3Engine
 from engine.qwen3.generate import GenerationRequest, generate_codes
 from engine.qwen3.prompt_builder import build_prompt
 from engine.qwen3.prompts import PromptRequest
 from tests.engine.qwen3.test_qwen3_engine import drive
+from tests.engine.qwen3.utils import engine_config
 
 pytestmark = pytest.mark.reference
 TEXT = "Hello there, nice to meet you."
@@ -29,7 +30,7 @@ def engine(tmp_path_factory) -> Qwen3Engine:
         path,
         "cpu",
         torch.float32,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=160, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )

@@ -1,12 +1,18 @@
-"""Builders for scheduler tests (after vLLM's tests/v1/core/utils.py)."""
+"""Builders for scheduler tests (after vLLM's tests/v1/core/utils.py) and engine configs."""
 
 from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from engine.api import ChunkSchedule, Priority, TextSegment
 from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager
 from engine.qwen3.plan import StepOutput, StepPlan
 from engine.qwen3.request import SAMPLES_PER_FRAME, Request, Segment
 from engine.qwen3.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.qwen3.engine import Qwen3EngineConfig
 
 EOS = 2150
 
@@ -23,11 +29,43 @@ def create_scheduler(
     num_kv_slots: int = 8,
     max_len: int = 256,
     clock: FakeClock | None = None,
+    codec_delivery_steps: int = 0,
     **config: object,
 ) -> Scheduler:
     layout = KVCacheLayout(num_slots=num_kv_slots, max_len=max_len, bytes_per_token=1024)
     cfg = SchedulerConfig(**config)  # type: ignore[arg-type]
-    return Scheduler(cfg, KVCacheManager(layout), clock=clock or FakeClock())
+    return Scheduler(
+        cfg,
+        KVCacheManager(layout),
+        clock=clock or FakeClock(),
+        eos_code=EOS,
+        codec_delivery_steps=codec_delivery_steps,
+    )
+
+
+def engine_config(**settings: object) -> Qwen3EngineConfig:
+    """A Qwen3EngineConfig from flat settings, each given to the config that owns it (`max_streams`
+    is the scheduler's `codec_slots`); an unknown name raises TypeError."""
+    from engine.qwen3.engine import Qwen3EngineConfig
+    from engine.qwen3.runner import RunnerConfig
+
+    owned: dict[str, dict[str, object]] = {"scheduler": {}, "runner": {}, "engine": {}}
+    names = {
+        "scheduler": {f.name for f in fields(SchedulerConfig)},
+        "runner": {f.name for f in fields(RunnerConfig)},
+        "engine": {f.name for f in fields(Qwen3EngineConfig)} - {"scheduler", "runner"},
+    }
+    for name, value in settings.items():
+        name = "codec_slots" if name == "max_streams" else name
+        owner = next((o for o, known in names.items() if name in known), None)
+        if owner is None:
+            raise TypeError(f"no engine setting {name!r}")
+        owned[owner][name] = value
+    return Qwen3EngineConfig(
+        scheduler=SchedulerConfig(**owned["scheduler"]),  # type: ignore[arg-type]
+        runner=RunnerConfig(**owned["runner"]),  # type: ignore[arg-type]
+        **owned["engine"],  # type: ignore[arg-type]
+    )
 
 
 def make_segment(prompt_len: int = 10, max_frames: int = 100, text: str = "hello world") -> Segment:

@@ -19,11 +19,20 @@ import numpy as np
 import pytest
 
 from cadence.engines import EngineOptions, build_engine
-from engine.api import AudioChunk, EngineError, SynthesisRequest, TextSegment, UnknownVoice, listen, pcm16
+from engine.api import (
+    AudioChunk,
+    EngineError,
+    SynthesisRequest,
+    SynthesisStream,
+    TextSegment,
+    UnknownVoice,
+    pcm16,
+)
 from engine.bridge import LoopChunkChannel
 from engine.workers import (
     WorkerPoolEngine,
     WorkerSpec,
+    WorkerStream,
     _StreamOut,
     _Worker,
     _WorkerLoop,
@@ -220,7 +229,7 @@ async def test_a_batch_larger_than_the_pipe_and_one_without_audio_arrive_whole()
 
 
 async def test_a_stream_that_is_not_a_bridge_channel_is_forwarded_by_a_task_in_order() -> None:
-    class Stream:
+    class Stream(SynthesisStream):  # listen() declines, as SynthesisStream's does
         async def __aiter__(self) -> AsyncIterator[AudioChunk]:
             for offset in (0, 8):
                 yield AudioChunk("g", np.full(8, offset / 16, np.float32), offset)
@@ -261,7 +270,7 @@ async def test_a_listener_gets_a_worker_streams_chunks_and_the_request_is_forgot
     try:
         listener = Listener()
         stream = speak(pool, "s/l1", "Heard without a task.")
-        assert listen(stream, listener)
+        assert stream.listen(listener)
         await wait_for(lambda: bool(listener.items) and listener.items[-1] == "end")
         chunks = [c for c in listener.items[:-1] if isinstance(c, AudioChunk)]
         assert len(chunks) == len(listener.items) - 1 and chunks[-1].final
@@ -269,3 +278,50 @@ async def test_a_listener_gets_a_worker_streams_chunks_and_the_request_is_forgot
         assert not any(worker.in_flight for worker in pool.live_workers())  # forgotten at the end
     finally:
         await pool.stop()
+
+
+async def test_a_streams_word_alignment_reaches_the_workers_stream_before_its_text() -> None:
+    class Stream(SynthesisStream):
+        def __init__(self) -> None:
+            self.request_id = "w"
+            self.calls: list[tuple[str, object]] = []
+
+        def push(self, segment: TextSegment) -> None:
+            self.calls.append(("push", segment.text))
+
+        def set_word_alignment(self, mode: str) -> None:
+            self.calls.append(("word_alignment", mode))
+
+        async def __aiter__(self) -> AsyncIterator[AudioChunk]:
+            yield AudioChunk("w", np.zeros(0, np.float32), 0, final=True)
+
+    opened: list[Stream] = []
+
+    class Engine:
+        def open(self, request: SynthesisRequest) -> Stream:
+            opened.append(Stream())
+            return opened[-1]
+
+    gateway_end, worker_end = mp.Pipe()
+    loop = _WorkerLoop(worker_end, WorkerSpec(lambda: None))  # type: ignore[arg-type]
+    loop.engine = Engine()
+    for message in gateway_side_messages(gateway_end, worker_end):
+        loop._handle(message)
+    assert opened[0].calls == [("word_alignment", "sync"), ("push", "Hello.")]
+    await asyncio.wait_for(asyncio.gather(*loop.tasks), 5)
+
+
+def gateway_side_messages(gateway_end: Any, worker_end: Any) -> list[tuple[Any, ...]]:
+    """What a WorkerStream sends its worker for open, set_word_alignment and push, as the worker reads it."""
+
+    class Worker:
+        alive = True
+
+        def send(self, *message: object) -> None:
+            gateway_end.send(message)
+
+    gateway_end.send(("open", 9, SynthesisRequest(request_id="w")))
+    stream = WorkerStream(None, Worker(), 9, "w")  # type: ignore[arg-type]
+    stream.set_word_alignment("sync")
+    stream.push(TextSegment("Hello.", 0))
+    return [worker_end.recv() for _ in range(3)]

@@ -12,7 +12,7 @@ import torch
 
 from engine.api import InvalidAudio
 from engine.qwen3.models.speaker import SpeakerEncoder
-from engine.qwen3.voice_cache import VoicePromptCache, build_voice, clip_key
+from engine.qwen3.voice_cache import VoicePromptCache, clip_key
 
 
 def clip(seed: int, seconds: float = 2.0, rate: int = 24000) -> np.ndarray:
@@ -127,17 +127,17 @@ def test_waiters_see_the_owner_error() -> None:
     assert all(isinstance(e, RuntimeError) and "no reference encoder" in str(e) for e in errors)
 
 
-def test_build_voice_with_a_real_speaker_encoder() -> None:
+def test_a_voice_from_a_real_speaker_encoder() -> None:
     cfg = dict(enc_dim=32, enc_channels=[16, 16, 16, 16, 48], enc_attention_channels=8, enc_se_channels=8)
     encoder = SpeakerEncoder(cfg).eval()
     m = Models()
     stereo_48k = np.stack([clip(3, rate=48000)] * 2, axis=1)
-    voice = build_voice(encoder, m, stereo_48k, 48000, "reference words")
+    voice = VoicePromptCache.for_models(encoder, m).prompt_for(stereo_48k, 48000, "reference words")
     assert voice.speaker_embedding.shape == (32,) and torch.isfinite(voice.speaker_embedding).all()
     assert (
         voice.ref_codes is not None
         and voice.ref_codes.shape == (25, 16)
         and voice.ref_text == "reference words"
     )
-    xv = build_voice(encoder, m, stereo_48k, 48000, None)
+    xv = VoicePromptCache.for_models(encoder, m).prompt_for(stereo_48k, 48000, None)
     assert xv.ref_codes is None and torch.allclose(xv.speaker_embedding, voice.speaker_embedding)

@@ -175,7 +175,7 @@ def test_fp8_projections_stay_separate_products_beside_the_fused_kernels():
 
 
 def test_the_rotation_table_holds_what_rope_cos_sin_computes():
-    from engine.qwen3.models.layers import rope_cos_sin
+    from engine.qwen3.models.rope import rope_cos_sin
 
     _, fused = stack_pair(TALKER, layers=1)
     positions = torch.arange(fused.shape.max_position_embeddings, device="cuda").flip(0).reshape(8, -1)

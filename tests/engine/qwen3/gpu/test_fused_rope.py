@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.qwen3.models import fused_rope
-from engine.qwen3.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
+from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or fused_rope.triton is None:

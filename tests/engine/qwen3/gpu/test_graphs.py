@@ -70,7 +70,11 @@ CODEC = dict(
 )
 
 
-def tiny_runner(dtype: torch.dtype = torch.float32, **config: object) -> Runner:
+def tiny_runner(
+    dtype: torch.dtype = torch.float32,
+    codec_frame_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 25),
+    **config: object,
+) -> Runner:
     """A captured runner over the tiny random model: 8 slots with sampling settings, random caches."""
     torch.manual_seed(0)
     cfg = parse_config(tiny_config())
@@ -85,8 +89,12 @@ def tiny_runner(dtype: torch.dtype = torch.float32, **config: object) -> Runner:
         talker,
         codec,
         cfg,
-        RunnerConfig(num_slots=8, max_len=64, codec_slots=4, max_batch=8, max_codec_batch=4, **config),
-    )  # type: ignore[arg-type]
+        RunnerConfig(max_len=64, max_codec_batch=4, **config),  # type: ignore[arg-type]
+        num_slots=8,
+        codec_slots=4,
+        max_batch=8,
+        codec_frame_buckets=codec_frame_buckets,
+    )
     with torch.no_grad():
         for slot in range(8):
             r.p_float[slot] = torch.tensor([0.9, 1.0, 1.0, 0.9, 1.0])
@@ -190,8 +198,8 @@ def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio
         for i in range(4)
     ]
     slots = torch.arange(4, device="cuda")
-    size = runner.config.max_codec_batch
-    runner.config.max_codec_batch = 2  # two slices of 2 rows: the (2, 4) graph replays twice
+    size = runner.max_codec_batch
+    runner.max_codec_batch = 2  # two slices of 2 rows: the (2, 4) graph replays twice
     try:
         with torch.no_grad():
             codec.reset(slots)
@@ -201,7 +209,7 @@ def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio
             eager = torch.cat([codec.decode_step(slots[i : i + 2], codes[i : i + 2].cuda()) for i in (0, 2)])
             eager = eager.float().cpu()
     finally:
-        runner.config.max_codec_batch = size
+        runner.max_codec_batch = size
     assert ("codec", 2, f) in runner.codec_graphs.graphs
     for i in range(4):
         torch.testing.assert_close(torch.from_numpy(audio[f"r{i}"]), eager[i])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.qwen3 import sampling_kernel
-from engine.qwen3.sampler import SamplingParams, sample
+from engine.qwen3.sampler import SamplingParams, draw_kernel, sample
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or sampling_kernel.triton is None:
@@ -14,11 +14,11 @@ if not torch.cuda.is_available() or sampling_kernel.triton is None:
 
 
 def both(logits, params, seed, counter):
-    sampling_kernel.enabled = False
+    draw_kernel.enabled = False
     try:
         expected = sample(logits, params, seed, counter, bounded=True)
     finally:
-        sampling_kernel.enabled = True
+        draw_kernel.enabled = True
     return sample(logits, params, seed, counter, bounded=True), expected
 
 
@@ -48,5 +48,5 @@ def test_masked_rows_draw_the_only_allowed_ids():
 
 
 def test_check_keeps_the_kernel_on():
-    assert sampling_kernel.check(torch.device("cuda"))
-    assert sampling_kernel.enabled
+    assert draw_kernel.check(torch.device("cuda"))
+    assert draw_kernel.enabled

@@ -14,6 +14,7 @@ import torch
 
 from engine.api import SynthesisRequest, TextSegment
 from engine.qwen3.runner import Runner
+from tests.engine.qwen3.utils import engine_config
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -31,7 +32,7 @@ def test_step_blocks_only_to_read_codes_and_audio(tmp_path):
 
 
 async def _steps_block_only_to_read(tmp_path):
-    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+    from engine.qwen3.engine import Qwen3Engine
     from tests.reference_builders import build_reference_tts, load_ours
 
     b, codec = load_ours(build_reference_tts("custom_voice", tmp_path / "tiny"), "cuda")
@@ -41,7 +42,7 @@ async def _steps_block_only_to_read(tmp_path):
         b.tokenizer,
         b.talker,
         codec,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )
@@ -82,7 +83,7 @@ async def _steps_block_only_to_read(tmp_path):
 def test_a_large_code2wav_launch_does_not_wait_for_the_gpu(tmp_path):
     """A chunk's codes over 64 KiB copied from pageable memory would make the host wait until the
     stream's queued work is done; from pinned memory the launch returns while the GPU is still busy."""
-    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+    from engine.qwen3.engine import Qwen3Engine
     from engine.qwen3.plan import CodecChunk
     from tests.reference_builders import build_reference_tts, load_ours
 
@@ -93,7 +94,7 @@ def test_a_large_code2wav_launch_does_not_wait_for_the_gpu(tmp_path):
         b.tokenizer,
         b.talker,
         codec,
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=4, kv_slots=4, max_len=128, max_batch=4, enforce_eager=True, progress_bar=False
         ),
     )

@@ -28,6 +28,7 @@ from engine.qwen3.models.fp8 import (
 )
 from engine.qwen3.models.layers import KVCache
 from engine.qwen3.models.talker import Talker
+from tests.engine.qwen3.utils import engine_config
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself; values
 # below the smallest normal (2^-6 of the scale unit) move by at most half a subnormal step (2^-10)
@@ -318,7 +319,7 @@ def test_fp8_is_refused_without_fp8_tensor_cores():
 async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_generation(tmp_path):
 
     from engine.api import SynthesisRequest, TextSegment
-    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+    from engine.qwen3.engine import Qwen3Engine
     from engine.qwen3.generate import GenerationRequest, generate_codes
     from engine.qwen3.prompt_builder import build_prompt
     from engine.qwen3.prompts import PromptRequest
@@ -334,7 +335,7 @@ async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_ge
         b.tokenizer,
         b.talker,
         codec.eval(),
-        Qwen3EngineConfig(
+        engine_config(
             max_streams=2, kv_slots=2, max_len=96, max_batch=2, enforce_eager=True, progress_bar=False
         ),
     )

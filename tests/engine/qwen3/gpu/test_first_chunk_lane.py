@@ -1,9 +1,7 @@
-"""Code2Wav on two CUDA streams. codec_overlap: the later chunks replay their graphs beside the next
-step's talker graphs and the first chunks replay a lane of their own on the talker's stream.
-first_chunk_lane: the later chunks queue behind the sampling on the talker's stream and the first
-chunks replay their lane on a stream of the highest priority. The audio must be what the
-one-stream engine and the offline decoder give (tiny random model, CUDA graphs; skipped without
-CUDA)."""
+"""Code2Wav on two CUDA streams (the first-chunk lane): the later chunks queue behind the sampling on
+the talker's stream and the first chunks replay their lane on a stream of the highest priority. The
+audio must be what an engine that decodes every chunk in its step on one stream gives, and what the
+offline decoder gives (tiny random model, CUDA graphs; skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -29,14 +27,13 @@ TEXTS = {
 }
 
 
-def test_overlapped_codec_gives_the_one_stream_audio(tmp_path):
+def test_the_first_chunk_lane_gives_the_one_stream_audio(tmp_path):
     asyncio.run(_compare(tmp_path))  # a plain event loop: the GPU machine's pytest has no asyncio plugin
 
 
-async def _run(
-    bundle, overlap: bool, lane: bool = False
-) -> tuple[dict[str, list[list[int]]], dict[str, np.ndarray], int]:
-    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
+async def _run(bundle, defer: bool) -> tuple[dict[str, list[list[int]]], dict[str, np.ndarray], int]:
+    from engine.qwen3.engine import Qwen3Engine
+    from tests.engine.qwen3.utils import engine_config
 
     b, codec = bundle
     engine = Qwen3Engine(
@@ -45,14 +42,8 @@ async def _run(
         b.tokenizer,
         b.talker,
         codec,
-        Qwen3EngineConfig(
-            max_streams=8,
-            kv_slots=8,
-            max_len=128,
-            max_batch=8,
-            progress_bar=False,
-            codec_overlap=overlap,
-            first_chunk_lane=lane,
+        engine_config(
+            max_streams=8, kv_slots=8, max_len=128, max_batch=8, progress_bar=False, defer_codec=defer
         ),
     )
     engine.runner.capture()
@@ -79,17 +70,15 @@ async def _compare(tmp_path) -> None:
     from tests.reference_builders import build_reference_tts, load_ours
 
     bundle = load_ours(build_reference_tts("custom_voice", tmp_path / "tiny"), "cuda")
-    codes_one, audio_one, lanes_one = await _run(bundle, overlap=False)
-    codes_two, audio_two, lanes_two = await _run(bundle, overlap=True)
-    codes_lane, audio_lane, lanes_lane = await _run(bundle, overlap=False, lane=True)
-    assert lanes_one == 0 and lanes_two > 0 and lanes_lane > 0
+    codes_one, audio_one, lanes_one = await _run(bundle, defer=False)
+    codes_lane, audio_lane, lanes_lane = await _run(bundle, defer=True)
+    assert lanes_one == 0 and lanes_lane > 0
     _, codec = bundle
     for rid, (_, frames) in TEXTS.items():
-        assert codes_two[rid] == codes_one[rid] == codes_lane[rid] and len(codes_one[rid]) == frames, rid
+        assert codes_one[rid] == codes_lane[rid] and len(codes_one[rid]) == frames, rid
         with torch.no_grad():
             offline = codec.decode(torch.tensor(codes_one[rid], device="cuda")[None])[0].float().cpu().numpy()
         scale = float(np.abs(offline).max()) or 1.0
-        for audio in (audio_two, audio_lane):
-            assert audio[rid].shape == offline.shape, rid
-            np.testing.assert_allclose(audio[rid], audio_one[rid], atol=1e-3 * scale, err_msg=rid)
-            np.testing.assert_allclose(audio[rid], offline, atol=1e-2 * scale, err_msg=rid)  # cuDNN TF32
+        assert audio_lane[rid].shape == offline.shape, rid
+        np.testing.assert_allclose(audio_lane[rid], audio_one[rid], atol=1e-3 * scale, err_msg=rid)
+        np.testing.assert_allclose(audio_lane[rid], offline, atol=1e-2 * scale, err_msg=rid)  # cuDNN TF32
