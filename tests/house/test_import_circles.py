@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tests.house.test_architecture import ROOT, imports_of
 
-PACKAGES = ("engine", "aligner", "cadence", "clients", "bench")
+PACKAGES = ("engine", "aligner", "gateway", "cadence", "clients", "bench")
 
 
 def import_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
