@@ -335,7 +335,7 @@ async def test_a_full_transport_is_waited_out_by_the_writer_task_and_timed_by_th
     task.cancel()
 
 
-async def test_text_that_is_not_utf8_takes_the_asgi_path_which_refuses_it_as_before() -> None:
+async def test_text_that_is_not_utf8_takes_the_asgi_path_which_refuses_it() -> None:
     session, socket, writer, engine, task = await start(writer=FakeWriter())
     assert writer is not None
     writes = len(writer.writes)
@@ -379,8 +379,8 @@ async def test_without_a_frame_writer_every_frame_takes_the_asgi_path() -> None:
 
 async def test_paced_packets_wait_in_the_lane_with_nothing_around_them() -> None:
     """Paced packets wait seconds in the lane, and every object alive that long is walked by each
-    young collection (at 512 streams ~40 000 of them made each one take 20-45 ms): a waiting packet
-    is held by the lane alone, with no wrapper and no protocol action kept alive beside it."""
+    young collection (whose pause every stream waits through): a waiting packet is held by the
+    lane alone, with no wrapper and no protocol action kept alive beside it."""
     session, socket, writer, engine, task = await start("realtime", writer=FakeWriter())
     say(socket, "u1")
     await settle()
