@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRICE_PER_HOUR_USD = 6.50  # H100 list price per hour, as in the seed
+PRICE_PER_HOUR_USD = 6.50  # an H100's list price per hour: the basis of the cost figures
 REALTIME_RTF = 1.0
 HEADLINE_TTFA_MS = 200.0
 HEADLINE_UNDERRUN_PCT = 1.0

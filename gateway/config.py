@@ -26,15 +26,16 @@ class GatewayConfig:
     # pacing "realtime": how far audio may run ahead of real time
     realtime_lead_ms: int = 300
     # pacing "realtime": audio that is due goes on a grid of this period, every packet due by a tick
-    # in one write; the client keeps at least `realtime_lead_ms - pacing_tick_ms` buffered. 100 ms
-    # (five 20 ms packets a write) against 40 ms: a third less gateway CPU at 250 realtime streams
+    # in one write; the client keeps at least `realtime_lead_ms - pacing_tick_ms` buffered. A longer
+    # tick puts more packets in each write (fewer writes cost less CPU per stream) at the price of
+    # that buffer
     pacing_tick_ms: int = 100
     # per-session send queue, in packets: above `high` the session stops pulling engine audio,
     # and starts again at `low`
     send_queue_high: int = 250
     send_queue_low: int = 50
     # finished utterances remembered per session (for a late speak.cancel and speak.resume)
-    history_size: int = 8  # finished utterances kept per session (late cancels, speak.resume)
+    history_size: int = 8
     # shutdown: how long open utterances may take to finish before the socket closes with 1001
     drain_timeout_s: float = 5.0
     # REST: output sample rate of /v1/audio/speech (OpenAI's pcm is 24 kHz s16le)

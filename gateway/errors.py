@@ -1,4 +1,4 @@
-"""The gateway's exception tree and how each failure shows on the wire.
+"""How each failure shows on the wire.
 
 Two kinds of outcome: an `error` message (the session goes on) carrying an error code, or the end
 of the socket with a WebSocket close code. `ProtocolError` (gateway.messages) is the first kind for
@@ -12,31 +12,11 @@ from typing import Final, get_args
 from engine.api import EngineError, Overloaded
 from gateway.messages import ErrorCode, ProtocolError
 
-# WebSocket close codes (RFC 6455 section 7.4.1)
+# WebSocket close codes the gateway sends (RFC 6455 section 7.4.1)
 CLOSE_NORMAL: Final = 1000
 CLOSE_GOING_AWAY: Final = 1001  # the server is shutting down
-CLOSE_INVALID_DATA: Final = 1007
-CLOSE_POLICY: Final = 1008  # bad token
+CLOSE_POLICY: Final = 1008  # bad token, or a client too slow
 CLOSE_TOO_BIG: Final = 1009  # a frame over max_message_bytes
-CLOSE_INTERNAL: Final = 1011
-
-
-class GatewayError(Exception):
-    """Base of failures that end the socket; `close_code` says how."""
-
-    close_code: int = CLOSE_INTERNAL
-
-
-class FrameTooLarge(GatewayError):
-    close_code = CLOSE_TOO_BIG
-
-
-class Unauthorized(GatewayError):
-    close_code = CLOSE_POLICY
-
-
-class ShuttingDown(GatewayError):
-    close_code = CLOSE_GOING_AWAY
 
 
 def error_code(exc: BaseException) -> ErrorCode:

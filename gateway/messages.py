@@ -49,6 +49,8 @@ ErrorCode = Literal[
     "not_interrupted",  # speak.resume from an utterance that was not interrupted
     "not_paused",  # speak.unpause of an utterance that is not paused
     "too_many_utterances",
+    "quota_exceeded",  # a per-key or per-session limit on what is open or was opened
+    "rate_limited",  # the key's characters per minute
     "overloaded",
     "shutting_down",
     "unauthorized",
@@ -100,7 +102,8 @@ class SpeakAppend:
     text: str
     flush: bool = False
     # benchmark option `"bench": {"forced_frames": N}`: the engine produces exactly N codec frames
-    # (random-weight benchmarks; see deploy/bench/README.md); read on the utterance's first append
+    # (benchmarks with random weights, whose text does not end the audio); read on the utterance's
+    # first append
     forced_frames: int | None = None
     type: Literal["speak.append"] = "speak.append"
 
@@ -536,7 +539,6 @@ _DECODERS: Final[dict[str, Callable[[_Fields], ClientMessage]]] = {
     "playback.report": _playback_report,
     "session.end": lambda f: SessionEnd(),
 }
-CLIENT_TYPES: Final = tuple(_DECODERS)
 
 
 def decode(frame: str | bytes) -> ClientMessage:

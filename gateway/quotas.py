@@ -5,13 +5,13 @@ caller passes the time). Over a limit: `QuotaExceeded` (a count: retry when some
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Final
 
 from gateway.messages import ErrorCode, ProtocolError
 
-# error codes of the limits (to be added to gateway.messages.ErrorCode)
-RATE_LIMITED: Final = cast(ErrorCode, "rate_limited")
-QUOTA_EXCEEDED: Final = cast(ErrorCode, "quota_exceeded")
+# error codes of the limits
+RATE_LIMITED: Final[ErrorCode] = "rate_limited"
+QUOTA_EXCEEDED: Final[ErrorCode] = "quota_exceeded"
 
 
 @dataclass(frozen=True, slots=True)

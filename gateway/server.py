@@ -69,7 +69,7 @@ class DirectFrameWriter:
     transport: any number of messages in ONE write, without the per-message ASGI `send` (Starlette
     -> uvicorn -> websockets' frame objects). Frames go out uncompressed (RSV1 clear), which RFC 7692
     allows on a connection that negotiated permessage-deflate; the websockets connection state is
-    untouched (data frames keep none), so close and ping still go through uvicorn as before."""
+    untouched (data frames keep none), so close and ping go through uvicorn."""
 
     __slots__ = ("_protocol",)
 
@@ -148,24 +148,22 @@ class LenientTextProtocol(WebSocketsSansIOProtocol):
 
 
 # net container allocations between two young collections (CPython: 700). Streams make and drop
-# thousands a second (packets, messages): at 700 the collector ran ~20 times a second at 300 null-
-# engine streams, and what it promoted brought full collections of ~100 ms; at 7 000 most of those
-# objects are gone before it runs (deploy/bench/README.md, "CPU, tenth session")
+# thousands of objects a second (packets, messages): with CPython's threshold the collector runs
+# many times a second and promotes objects that would have died young, which then fill the older
+# generations and bring long full collections; ten times the threshold lets most of them die first
 YOUNG_GC_THRESHOLD = int(os.environ.get("CADENCE_GC_YOUNG_THRESHOLD", "7000"))
 # middle-generation collections before a full one (CPython: 10). A full collection walks every live
-# object: at 512 streams on the H200 one paused the gateway for 194 ms, past the lead of a stream's
-# first chunks, and 0.78 % of streams ran dry; at 100 none came in the run and none did. A session's
-# objects are freed by reference counting (no cycles), so little is left for it to find
-# (deploy/bench/README.md, "H200, eleventh session")
+# object, and at hundreds of streams its pause can outlast the lead of a stream's first chunks, so
+# that streams run dry. A session's objects are freed by reference counting (no cycles), so little
+# is left for a full collection to find: it runs seldom
 FULL_GC_AFTER = int(os.environ.get("CADENCE_GC_FULL_AFTER", "100"))
 
 
 def settle_garbage_collector() -> None:
     """Once started: what is alive now (modules, app, engine) moves where the cyclic collector never
-    looks again, so its collections while streams run scan only what the streams made (a full one
-    took over 100 ms at 400 real-time streams without this: every packet in flight waited), and
-    the youngest generation (and, when CADENCE_GC_FULL_AFTER says so, the oldest) is collected
-    less often."""
+    looks again, so its collections while streams run scan only what the streams made (every packet
+    in flight waits through a collection), and the youngest generation (and, when
+    CADENCE_GC_FULL_AFTER says so, the oldest) is collected less often."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_GC_THRESHOLD, gc.get_threshold()[1], FULL_GC_AFTER)

@@ -7,16 +7,17 @@ utterances stop pulling engine audio (the engine never waits), and when one send
 has been blocked for `slow_client_timeout_s` (the client takes no bytes), or the control lane
 passes `control_queue_max`, the session is closed with 1008 and its engine streams are cancelled.
 Time the writer spends idle, pacing, or waiting for a busy event loop is not a stall: only a send
-that the transport does not accept counts. Everything the protocol asks for runs in `_execute`, synchronously on the event loop, so a cancel's purge of queued audio and its
-`utterance.interrupted` happen together: no packet of that stream is sent after the fence.
+that the transport does not accept counts. Everything the protocol asks for runs in `_execute`, synchronously on the event
+loop, so a cancel's purge of queued audio and its `utterance.interrupted` happen together: no
+packet of that stream is sent after the fence.
 
-Under uvicorn (gateway.server) the socket offers a direct frame writer: then queued frames are not
-sent one by one by the writer task but written by `_pump`, synchronously, everything that may go
-now in one transport write. One `Pacer` per event loop runs the pumps of all sessions with news
-once per loop pass, and wakes sessions whose paced audio falls due with one shared timer. The
-writer task only closes the socket, and waits out a transport that takes no more bytes (the
-watchdog times that wait). Without the writer (tests, other servers) the writer task sends each
-frame through the ASGI WebSocket, with the same order and pacing.
+One path takes frames off the queue (`Session._take`: control first, audio in order, realtime
+pacing). One `Pacer` per event loop pumps every session with news once per loop pass, and wakes
+sessions whose paced audio falls due with one shared timer. Under uvicorn (gateway.server) the
+socket offers a direct frame writer: the pump writes everything that may go now in one transport
+write, synchronously. Without it (tests, other servers) the pump wakes the writer task, which
+sends the same frames, in the same order, one ASGI `send` each. The writer task also closes the
+socket, and waits out a transport that takes no more bytes (the watchdog times that wait).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import heapq
 import itertools
 import logging
 import math
+import sys
 import uuid
 import weakref
 from collections import deque
@@ -67,6 +69,7 @@ log = logging.getLogger("cadence.session")
 
 FRAME_WRITER: Final = "cadence.frame_writer"  # the ASGI scope extension that carries a FrameWriter
 _CLOCK_SLACK_S: Final = 0.001  # the loop clock's granularity (1 ms under uvloop)
+_ALL: Final = sys.maxsize  # `_take` without a limit
 
 
 class FrameWriter(Protocol):
@@ -172,8 +175,7 @@ class _Trailer:
 
 # An audio-lane entry: a packet (it knows its stream) or a trailer. Packets are held as they are,
 # with no wrapper: paced packets wait seconds in the lane, and every object that waits that long
-# is walked by young collections (with a wrapper and an action beside each packet, the young
-# generation held 30 000-45 000 objects at GPU-like load, and each collection took 20-45 ms)
+# is walked by each young collection, whose pause every stream waits through
 _AudioItem = Packet | _Trailer
 
 
@@ -183,18 +185,16 @@ def _ignore_news() -> None:
 
 class SendQueue:
     """Control messages ahead of audio; audio bounded by high/low watermarks (in items).
-    `on_news` (if given) is called whenever something is added or purged; without it, `wait()`
-    returns on news."""
+    `on_news` is called whenever something is added or purged."""
 
-    def __init__(self, high: int, low: int, on_news: Callable[[], None] | None = None) -> None:
+    def __init__(self, high: int, low: int, on_news: Callable[[], None]) -> None:
         self.high = high
         self.low = low
         self.control: deque[str | _CloseItem] = deque()
         self.audio: deque[_AudioItem] = deque()
         self.writable = asyncio.Event()  # producers may add audio
         self.writable.set()
-        self._wake = asyncio.Event()
-        self._news: Callable[[], None] = self._wake.set if on_news is None else on_news
+        self._news = on_news
 
     def put_control(self, item: str | _CloseItem) -> None:
         self.control.append(item)
@@ -237,13 +237,8 @@ class SendQueue:
         packets = [a for a in taken if isinstance(a, Packet)]
         return packets, len(packets) < len(taken)
 
-    def pop_audio(self) -> _AudioItem:
-        item = self.audio.popleft()
-        self.after_take()
-        return item
-
     def after_take(self) -> None:
-        """Audio was taken off the lane (by pop_audio, or popped directly): producers may resume."""
+        """Audio was taken off the lane: producers may resume."""
         if len(self.audio) <= self.low:
             self.writable.set()
 
@@ -252,12 +247,6 @@ class SendQueue:
         session <-> queue reference cycle, so a closed session is freed at once rather than left
         for a full collection (whose pause every stream in the process waits through)."""
         self._news = _ignore_news
-
-    async def wait(self, at_most_s: float | None = None) -> None:
-        """Until something is added or purged (or `at_most_s` passes); only without `on_news`."""
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), at_most_s)
 
 
 class Session:
@@ -291,13 +280,14 @@ class Session:
         scope = getattr(websocket, "scope", None) or {}
         self._writer: FrameWriter | None = scope.get("extensions", {}).get(FRAME_WRITER)
         self._pacer = Pacer.of(self._loop)
-        self._writer_needed = asyncio.Event()  # direct path: the pump needs the writer task
-        self._unsendable: str | None = None  # direct path: a text frame only the ASGI path may try
+        self._writer_needed = asyncio.Event()  # the pump needs the writer task
+        self._unsendable: str | None = None  # a text frame only the ASGI send may try (it raises)
         self._closing = False
         self.paced_tick: float | None = None  # the Pacer tick this session waits for
         self.pacing_tick_s = config.pacing_tick_ms / 1000.0
-        on_news = None if self._writer is None else functools.partial(self._pacer.pump_soon, self)
-        self.queue = SendQueue(config.send_queue_high, config.send_queue_low, on_news)
+        self.queue = SendQueue(
+            config.send_queue_high, config.send_queue_low, functools.partial(self._pacer.pump_soon, self)
+        )
         self.close_reason: tuple[int, str] | None = None  # set when the server ends the session
         self._send_started: float | None = None  # when the send in progress began (None: not sending)
         self._streams: dict[str, SynthesisStream] = {}
@@ -402,11 +392,69 @@ class Session:
                 self._execute(self.protocol.receive_binary(data))
 
     # -- writer -------------------------------------------------------------------------------
+    def pump(self) -> int:
+        """Send what may go now (`_take`). On the direct path: in ONE transport write, here and now;
+        returns how many packets went (the caller counts them). It writes nothing at a close, or
+        while the transport takes no more bytes: the writer task does what waits. On the ASGI path
+        the writer task sends, frame by frame: it is woken."""
+        writer = self._writer
+        if writer is None:
+            self._writer_needed.set()
+            return 0
+        if self._closing or self.close_reason is not None or not writer.open:
+            return 0  # a closed socket: the reader sees the disconnect and ends the session
+        if not writer.writable:
+            self._writer_needed.set()
+            return 0
+        frames: list[bytes | str] = []
+        packets = self._take(frames, _ALL)
+        if frames:
+            writer.write(frames)
+        if self.queue.control or self._unsendable is not None:
+            self._writer_needed.set()
+        return packets
+
     async def _write_loop(self) -> None:
-        if self._writer is None:
-            await self._write_each()
-        else:
-            await self._write_direct(self._writer)
+        """The writer task, for what cannot be done without waiting: on the ASGI path it sends every
+        frame (one `send` each, and one taken at a time, so that a purge still reaches the frames
+        behind it); on both paths it closes the socket, and it waits out a transport that takes no
+        more bytes (the watchdog times a send, and that wait)."""
+        writer = self._writer
+        while True:
+            self._writer_needed.clear()
+            if writer is None:
+                frames: list[bytes | str] = []
+                packets = self._take(frames, 1)
+                if frames:
+                    await self._send(frames[0])
+                    if packets:
+                        self.metrics.packets.inc(packets)
+                    continue
+            else:
+                self._pump_counted()
+            if self._unsendable is not None:  # the ASGI send raises for it, which ends the session
+                text, self._unsendable = self._unsendable, None
+                await self._send(text)
+                continue
+            control = self.queue.control
+            if control and isinstance(close := control[0], _CloseItem):
+                self._closing = True
+                control.popleft()
+                await self._close_socket(close)
+                return
+            if writer is not None and writer.open and not writer.writable:
+                self._send_started = self._loop.time()
+                try:
+                    await writer.wait_writable()
+                finally:
+                    self._send_started = None
+                continue
+            await self._writer_needed.wait()
+
+    def _pump_counted(self) -> None:
+        packets = self.pump()
+        if packets:
+            self.metrics.packets.inc(packets)
 
     def _due_at(self, stream: int, packet: Packet) -> float | None:
         """When a realtime-paced packet may go (loop time); None when it may go now."""
@@ -418,77 +466,14 @@ class Session:
         lead = self.config.realtime_lead_ms / 1000.0
         return t0 + packet.sample_offset / self.protocol.output.sample_rate - lead
 
-    async def _write_each(self) -> None:
-        """The ASGI path: one `send` per frame."""
-        while True:
-            if self.queue.control:
-                item = self.queue.control.popleft()
-                if isinstance(item, _CloseItem):
-                    await self._close_socket(item)
-                    return
-                await self._send(item)
-                continue
-            if not self.queue.audio:
-                await self.queue.wait()
-                continue
-            entry = self.queue.audio[0]
-            stream = entry.stream
-            if isinstance(entry, Packet):
-                due = self._due_at(stream, entry)
-                if due is not None:
-                    wait = due - self._loop.time()
-                    if wait > 0:
-                        await self.queue.wait(wait)
-                        continue
-            self.queue.pop_audio()
-            if isinstance(entry, _Trailer):
-                await self._send(entry.text)
-                self._execute(self.protocol.trailer_sent(stream))
-                continue
-            await self._send(entry.frame)
-            self.metrics.packets.inc()
-            self._after_packet_sent(stream, entry, self._loop.time())
-
-    async def _write_direct(self, writer: FrameWriter) -> None:
-        """The direct path's writer task: what `pump` cannot do without waiting."""
-        self._pump_counted()
-        while True:
-            await self._writer_needed.wait()
-            self._writer_needed.clear()
-            if self._unsendable is not None:  # the ASGI path raises for it, as it always did
-                text, self._unsendable = self._unsendable, None
-                await self._send(text)
-            control = self.queue.control
-            if control and isinstance(close := control[0], _CloseItem):
-                self._closing = True
-                control.popleft()
-                await self._close_socket(close)
-                return
-            if writer.open and not writer.writable:
-                self._send_started = self._loop.time()
-                try:
-                    await writer.wait_writable()
-                finally:
-                    self._send_started = None
-            self._pump_counted()
-
-    def _pump_counted(self) -> None:
-        packets = self.pump()
-        if packets:
-            self.metrics.packets.inc(packets)
-
-    def pump(self) -> int:
-        """Direct path: write every control message, then every audio item that is due, in ONE
-        transport write; returns how many packets went (the caller counts them). Stops at a close
-        (the writer task's), at paced audio not yet due (the Pacer wakes us), or while the
-        transport takes no more bytes (the writer task waits)."""
-        writer = self._writer
-        if writer is None or self._closing or self.close_reason is not None or not writer.open:
-            return 0  # a closed socket: the reader sees the disconnect and ends the session
-        if not writer.writable:
-            self._writer_needed.set()
+    def _take(self, frames: list[bytes | str], most: int) -> int:
+        """Move up to `most` frames that may go now into `frames`: every control message first, then
+        the audio lane in order, up to paced audio not yet due (the Pacer pumps this session again at
+        its tick). Stops at a close, and at text that is not valid UTF-8 (both the writer task's).
+        What is taken counts as sent: the protocol is told now, and the caller sends `frames` before
+        anything else. Returns how many packets were taken."""
+        if self._unsendable is not None:  # nothing goes after it
             return 0
-        frames: list[bytes | str] = []
         control, audio = self.queue.control, self.queue.audio
         now = self._loop.time()
         protocol = self.protocol
@@ -503,11 +488,12 @@ class Session:
         packet_sent = protocol.packet_sent
         latest: dict[int, Packet] = {}
         packets = 0
-        while True:
-            while control and not isinstance(control[0], _CloseItem):
+        while len(frames) < most:
+            if control and not isinstance(control[0], _CloseItem):
                 if not self._take_text(control.popleft(), frames):
                     break
-            if control or not audio or self._unsendable is not None:
+                continue
+            if control or not audio:  # a close, or nothing more
                 break
             item = audio[0]
             stream = item.stream
@@ -535,10 +521,6 @@ class Session:
             if actions := packet_sent(stream, item, now):
                 self._execute(actions)
         self.queue.after_take()
-        if frames:
-            writer.write(frames)
-        if control or self._unsendable is not None:
-            self._writer_needed.set()
         return packets
 
     def _take_text(self, text: str | _CloseItem, frames: list[bytes | str]) -> bool:

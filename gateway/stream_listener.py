@@ -1,9 +1,9 @@
 """One utterance's engine audio, handed to its session as it comes (engine.api.listen): no task,
-no future and no coroutine switch per chunk, where iterating the stream took all three.
+no future and no coroutine switch per chunk, which iterating the stream would take.
 
 The engine never waits for a client. While the session's audio lane is full, or while the
 utterance is throttled (paused with its buffer full), chunks wait here in the order they came,
-and a task feeds them on as the lane makes room (what the iterating task's wait did before)."""
+and a task feeds them on as the lane makes room."""
 
 from __future__ import annotations
 

@@ -224,7 +224,8 @@ def _from(packet: Packet, sample: int) -> Packet:
     if cut <= 0:
         return packet
     header = PacketHeader(packet.stream, packet.seq, sample, packet.flags)
-    return Packet(header, packet.payload[cut:], packet.samples - cut)
+    frame = header.pack() + packet.payload[cut:]
+    return Packet(packet.stream, packet.seq, sample, packet.flags, packet.samples - cut, frame)
 
 
 # -- the call ---------------------------------------------------------------------------------

@@ -335,7 +335,7 @@ async def test_a_full_transport_is_waited_out_by_the_writer_task_and_timed_by_th
     task.cancel()
 
 
-async def test_text_that_is_not_utf8_takes_the_asgi_path_which_refuses_it_as_before() -> None:
+async def test_text_that_is_not_utf8_takes_the_asgi_path_which_refuses_it() -> None:
     session, socket, writer, engine, task = await start(writer=FakeWriter())
     assert writer is not None
     writes = len(writer.writes)
@@ -377,10 +377,46 @@ async def test_without_a_frame_writer_every_frame_takes_the_asgi_path() -> None:
     task.cancel()
 
 
+async def test_the_asgi_path_paces_realtime_audio_like_the_direct_path() -> None:
+    """One writer path: without a frame writer the same frames go, one `send` each, held to the
+    lead on the same grid, and a cancel still reaches every packet not yet sent."""
+    loop = asyncio.get_running_loop()
+    session, socket, _, engine, task = await start(
+        "realtime", writer=None, realtime_lead_ms=100, pacing_tick_ms=TICK_MS
+    )
+    say(socket, "u1")
+    await settle()
+    engine.streams["u1"].chunk(480 * 25)  # 500 ms at once
+    await settle()
+    t0 = loop.time()
+
+    def packets() -> list[Any]:
+        return [k for k in kinds(socket.sent) if isinstance(k, tuple)]
+
+    assert 6 - round(PACING_TICK_S / 0.02) <= len(packets()) <= 6  # packet 0 and the lead
+    await asyncio.sleep(0.2)
+    sent = len(packets())
+    assert (
+        6 + int((loop.time() - t0 - PACING_TICK_S) / 0.02) - 2
+        <= sent
+        <= 6 + int((loop.time() - t0) / 0.02 + 1)
+    )
+    socket.inbox.put_nowait(
+        {"type": "websocket.receive", "text": json.dumps({"type": "speak.cancel", "utterance_id": "u1"})}
+    )
+    await settle()
+    got = kinds(socket.sent)
+    fence = got.index("utterance.interrupted")
+    seqs = [k[1] for k in got[:fence] if isinstance(k, tuple)]
+    assert seqs == list(range(len(seqs))) and len(seqs) < 25  # in order, and the rest purged
+    assert not [k for k in got[fence:] if isinstance(k, tuple)]
+    task.cancel()
+
+
 async def test_paced_packets_wait_in_the_lane_with_nothing_around_them() -> None:
     """Paced packets wait seconds in the lane, and every object alive that long is walked by each
-    young collection (at 512 streams ~40 000 of them made each one take 20-45 ms): a waiting packet
-    is held by the lane alone, with no wrapper and no protocol action kept alive beside it."""
+    young collection (whose pause every stream waits through): a waiting packet is held by the
+    lane alone, with no wrapper and no protocol action kept alive beside it."""
     session, socket, writer, engine, task = await start("realtime", writer=FakeWriter())
     say(socket, "u1")
     await settle()

@@ -35,7 +35,7 @@ def _serve(p: SessionProtocol, uid: str, chunks: int = 10, size: int = 2400) -> 
     for a in out:
         if isinstance(a, SendAudio):
             for packet in a.packets:
-                assert packet.frame  # the send path reads the frame: deferred payloads get encoded
+                assert packet.frame
                 p.packet_sent(a.stream, packet, 0.0)
         elif isinstance(a, SendTrailer):
             p.trailer_sent(a.stream)
