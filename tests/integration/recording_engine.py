@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.api import AudioChunk, ChunkListener, Engine, SynthesisRequest, SynthesisStream, listen
+from engine.api import AudioChunk, ChunkListener, Engine, SynthesisRequest, SynthesisStream
 from gateway.messages import Encoding
 from gateway.packets import OutputFormat, Packetiser
 
@@ -31,7 +31,7 @@ class _Tap:
         self._listener.fail(error)
 
 
-class _TappedStream:
+class _TappedStream(SynthesisStream):
     def __init__(self, inner: SynthesisStream, sink: list[AudioChunk]) -> None:
         self._inner = inner
         self._sink = sink
@@ -47,7 +47,10 @@ class _TappedStream:
         self._inner.cancel()
 
     def listen(self, listener: ChunkListener) -> bool:
-        return listen(self._inner, _Tap(listener, self._sink))
+        return self._inner.listen(_Tap(listener, self._sink))
+
+    def set_word_alignment(self, mode: str) -> None:
+        self._inner.set_word_alignment(mode)
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._iterate()
