@@ -20,9 +20,13 @@ tag="${TAG:-$(echo "$SIZE" | tr 'A-Z' 'a-z')}"  # names the output files
 $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams 640 ${SERVE_ARGS:-} \
   > "$OUTDIR/serve-$tag.log" 2>&1 &
 server=$!
-$PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; }
-import time, urllib.request
+$PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; kill -9 $server 2>/dev/null; exit 1; }
+import os, time, urllib.request
 for _ in range(480):  # start-up: graph capture and cuDNN autotuning of every Code2Wav bucket
+    try:
+        os.kill($server, 0)  # a server that died at start-up is not waited for
+    except OSError:
+        raise SystemExit("the server exited during start-up")
     try:
         urllib.request.urlopen("http://127.0.0.1:$PORT/readyz", timeout=2); print("ready"); break
     except Exception:

@@ -1,6 +1,6 @@
 # Source this on a bare GPU machine (no network) before running the GPU scripts:
 #   . bench/gpu_env.sh
-# It installs the wheels carried in .whl/ (downloaded beforehand for cp312 manylinux, see
+# It installs the wheels carried in .whl/ (bench/gpu_wheels.sh downloads them for cp312 manylinux; see
 # deploy/bench/README.md) into .cache/site and puts them first on PYTHONPATH, beside the machine's own
 # torch. The reference qwen-tts needs transformers 4.57.3, which the overlay provides.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .cache/site .whl/*.whl \

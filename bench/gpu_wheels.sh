@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Download into .whl/ the wheels a bare GPU machine (CPython 3.12, its own torch, no network) needs to
+# run `cadence serve` and `cadence bench`: the server's dependencies the machine lacks, at the
+# versions installed in .venv here (the tested ones). bench/gpu_env.sh installs them there.
+#   bench/gpu_wheels.sh            # then carry .whl/ to the GPU machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+names="starlette anyio sniffio uvicorn h11 httptools uvloop websockets soxr soundfile cffi pycparser
+espeakng-loader prometheus-client redis httpx httpcore idna certifi rich markdown-it-py mdurl pygments av"
+freeze="$(.venv/bin/python -m pip freeze --disable-pip-version-check 2>/dev/null)"
+mkdir -p .whl
+for name in $names; do
+  pinned="$(echo "$freeze" | grep -i "^${name//-/[-_]}==" || true)"
+  [ -n "$pinned" ] || { echo "gpu_wheels: $name is not installed in .venv (run scripts/setup first)" >&2; exit 1; }
+  echo "gpu_wheels: $pinned"
+  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp -d .whl "$pinned" \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux1_x86_64
+done
