@@ -13,6 +13,9 @@ different moments produce their chunks at different moments, like independent re
 Ahead of real time: `speed` > 1 produces `chunk_ms` of audio every `chunk_ms / speed`, the way a
 real engine with an RTF below 1 runs ahead (Qwen3-TTS: 80 ms codec frames at RTF 0.5 is
 `chunk_ms=80, speed=2`); the gateway's realtime pacing then releases the audio on its own clock.
+
+Audio: int16 PCM (`engine.api.pcm16`), the form the worker processes hand over, so that a load
+test of the gateway takes the real engines' path (the packetiser slices int16 without re-encoding).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from engine.api import (
     SynthesisStream,
     TextSegment,
     WordTiming,
+    pcm16,
 )
 from engine.bridge import LoopChunkChannel
 
@@ -159,7 +163,7 @@ class NullStream(SynthesisStream):
             return False
         return True
 
-    def _emit(self, samples: npt.NDArray[np.float32], limit: int) -> None:
+    def _emit(self, samples: npt.NDArray[np.int16], limit: int) -> None:
         end = self._sent + len(samples)
         words: tuple[WordTiming, ...] = ()
         if self._words and self._words[0].start_sample < end:  # most chunks start no word
@@ -207,9 +211,9 @@ class NullEngine:
         self.queue_limit = queue_limit
         self.phase: Phase = phase
         samples = chunk_ms * SAMPLE_RATE // 1000
-        self.tone: npt.NDArray[np.float32] = (
-            0.1 * np.sin(2 * np.pi * TONE_HZ * np.arange(samples) / SAMPLE_RATE)
-        ).astype(np.float32)
+        self.tone: npt.NDArray[np.int16] = pcm16(
+            (0.1 * np.sin(2 * np.pi * TONE_HZ * np.arange(samples) / SAMPLE_RATE)).astype(np.float32)
+        )
         self.tone.flags.writeable = False
         self.tick_s = samples / SAMPLE_RATE / speed  # one chunk is made every tick
         # on the shared grid, anything within half a tick counts as the tick

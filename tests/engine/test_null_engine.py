@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.api import AudioChunk, Engine, Overloaded, SynthesisRequest, TextSegment
+import numpy as np
+
+from engine.api import AudioChunk, Engine, Overloaded, SynthesisRequest, TextSegment, float_samples
 from engine.null import CHUNK_SAMPLES, SAMPLE_RATE, NullEngine, estimate_words
 
 
@@ -77,6 +79,17 @@ async def test_real_time_20ms_chunks_with_words(engine: NullEngine) -> None:
         sent += len(chunk.samples)
     words = [w for c in chunks for w in c.words]
     assert [w.text for w in words] == ["a", "b", "c"] and words[-1].end_sample == 4 * 1920
+
+
+async def test_audio_is_int16_pcm_as_the_workers_hand_it(engine: NullEngine) -> None:
+    """The real engines' form (engine.api.pcm16), so a load test measures their path: a 200 Hz
+    tone at a tenth of full scale, every chunk the same whole periods."""
+    chunks, _ = await run(engine, "a b", forced_frames=1)
+    assert all(c.samples.dtype == np.int16 for c in chunks)
+    audio = [c for c in chunks if len(c.samples)]
+    tone = float_samples(audio[0].samples)
+    assert abs(float(np.max(np.abs(tone))) - 0.1) < 1e-3
+    assert all(np.array_equal(c.samples, audio[0].samples) for c in audio)
 
 
 async def test_estimated_length_without_forcing(engine: NullEngine) -> None:
