@@ -1,0 +1,143 @@
+"""A call's state, its channel to the agent, and the steps its parts share (gateway.twilio.call
+lists the parts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Literal, Protocol
+
+from starlette.websockets import WebSocket
+
+from engine.api import Engine
+from gateway.config import GatewayConfig
+from gateway.messages import ProtocolError, encode
+from gateway.protocol import Action, SessionProtocol
+from gateway.twilio.line import Mark, PhoneUtterance
+from gateway.twilio.media import FRAME_MS, RATE
+from gateway.twilio.vad import EnergyVad, TwilioOptions
+from gateway.webhooks import WebhookSender
+
+
+class AgentSink(Protocol):
+    """Where a call's events for its agent go: the agent's WebSocket, or a link to the replica
+    that holds it (gateway.cluster.calls)."""
+
+    async def send_text(self, data: str) -> None: ...
+
+
+class CallState:
+    """What every part of `Call` reads and changes."""
+
+    def __init__(
+        self,
+        call_sid: str,
+        engine: Engine,
+        config: GatewayConfig,
+        options: TwilioOptions,
+        webhooks: WebhookSender,
+    ) -> None:
+        self.call_sid = call_sid
+        self.engine = engine
+        self.config = config
+        self.options = options
+        self.webhooks = webhooks
+        self.loop = asyncio.get_running_loop()
+        line_config = replace(
+            config,
+            default_encoding="mulaw",
+            default_sample_rate=RATE,
+            default_packet_ms=FRAME_MS,
+            idle_timeout_s=math.inf,  # the call lasts as long as Twilio's stream
+            history_size=max(config.history_size, 64),  # a line plays long after the audio is made
+        )
+        self.protocol = SessionProtocol(f"twilio/{call_sid}", engine.info, line_config, now=self.loop.time())
+        self.protocol.started = True  # the control channel has no session.started
+        self.stream_sid: str | None = None
+        self.start_info: dict[str, Any] = {}
+        self.twilio: WebSocket | None = None
+        self.agent: AgentSink | None = None
+        self.ended = False
+        self.end_reason: str | None = None
+        self.webhook_url: str | None = None
+        self.utterances: dict[str, PhoneUtterance] = {}  # in the order they were opened
+        self._streams: dict[int, PhoneUtterance] = {}
+        self.vad = EnergyVad(options.vad_threshold_dbfs, options.vad_attack_ms, options.vad_hang_ms)
+        self._marks: dict[str, Mark] = {}  # sent, not yet back, not voided by a clear
+        self._to_twilio: deque[dict[str, Any]] = deque()  # control (clear), ahead of media
+        self._to_agent: asyncio.Queue[str | None] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._done = asyncio.Event()
+
+    def _run(self, actions: list[Action]) -> None:
+        """Carry out the protocol's actions, in order (gateway.twilio.call_actions)."""
+        raise NotImplementedError
+
+    def _call_started(self) -> dict[str, Any]:
+        return {
+            "type": "call.started",
+            "call_sid": self.call_sid,
+            "stream_sid": self.stream_sid,
+            "custom_parameters": dict(self.start_info.get("customParameters") or {}),
+            "media_format": self.start_info.get("mediaFormat"),
+        }
+
+    async def _sleep(self) -> None:
+        self._wake.clear()
+        await self._wake.wait()
+
+    def _line(self, utterance_id: str) -> PhoneUtterance:
+        line = self.utterances.get(utterance_id)
+        if line is None:
+            raise ProtocolError("unknown_utterance", f"no utterance {utterance_id!r}", utterance_id)
+        return line
+
+    def _stop(self, line: PhoneUtterance, state: Literal["interrupted", "failed"]) -> None:
+        line.state = state
+        line.queue.clear()
+        line.sent.clear()
+        line.on_line = False
+        self._marks = {k: m for k, m in self._marks.items() if m.utterance is not line}
+        self._end_engine(line)
+
+    def _end_engine(self, line: PhoneUtterance) -> None:
+        with contextlib.suppress(Exception):
+            line.engine_stream.cancel()
+        if line.gate is not None:
+            line.gate.set()
+        if line.pull is not None and line.pull is not asyncio.current_task():
+            line.pull.cancel()
+
+    # -- the agent side -----------------------------------------------------------------------
+    def to_agent(self, message: Mapping[str, Any]) -> None:
+        if self.agent is not None:
+            self._to_agent.put_nowait(encode(message))
+
+    def attach_agent(self, sink: AgentSink) -> None:
+        self.agent = sink
+        self._to_agent = asyncio.Queue()
+        if self.stream_sid is not None:
+            self.to_agent(self._call_started())
+
+    def detach_agent(self) -> None:
+        self.agent = None
+        self._to_agent.put_nowait(None)
+
+    async def write_agent(self, sink: AgentSink) -> None:
+        queue = self._to_agent
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            await sink.send_text(item)
+
+    def _error(self, code: str, message: str, utterance_id: str | None = None) -> None:
+        error: dict[str, Any] = {"type": "error", "code": code, "message": message}
+        if utterance_id is not None:
+            error["utterance_id"] = utterance_id
+        self.to_agent(error)
