@@ -7,13 +7,14 @@ utterances stop pulling engine audio (the engine never waits), and when one send
 has been blocked for `slow_client_timeout_s` (the client takes no bytes), or the control lane
 passes `control_queue_max`, the session is closed with 1008 and its engine streams are cancelled.
 Time the writer spends idle, pacing, or waiting for a busy event loop is not a stall: only a send
-that the transport does not accept counts. Everything the protocol asks for runs in `_execute`, synchronously on the event
-loop, so a cancel's purge of queued audio and its `utterance.interrupted` happen together: no
-packet of that stream is sent after the fence.
+that the transport does not accept counts. Everything the protocol asks for runs in `_execute`,
+synchronously on the event loop, so a cancel's purge of queued audio and its
+`utterance.interrupted` happen together: no packet of that stream is sent after the fence.
 
-One path takes frames off the queue (`Session._take`: control first, audio in order, realtime
-pacing). One `Pacer` per event loop pumps every session with news once per loop pass, and wakes
-sessions whose paced audio falls due with one shared timer. Under uvicorn (gateway.server) the
+One path takes frames off the send queue (gateway.send_queue; `Session._take`: control first,
+audio in order, realtime pacing). One `Pacer` per event loop (gateway.pacer) pumps every session
+with news once per loop pass, and wakes sessions whose paced audio falls due with one shared
+timer. Under uvicorn (gateway.server) the
 socket offers a direct frame writer: the pump writes everything that may go now in one transport
 write, synchronously. Without it (tests, other servers) the pump wakes the writer task, which
 sends the same frames, in the same order, one ASGI `send` each. The writer task also closes the
@@ -25,17 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import heapq
-import itertools
 import logging
 import math
 import sys
 import uuid
-import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import ClassVar, Final, Protocol
+from collections.abc import Iterable
+from typing import Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
@@ -44,6 +41,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
 from gateway.metrics import GatewayMetrics
+from gateway.pacer import CLOCK_SLACK_S, Pacer
 from gateway.packets import Packet
 from gateway.protocol import (
     Action,
@@ -63,12 +61,12 @@ from gateway.protocol import (
     WakeAt,
 )
 from gateway.quotas import Quotas
+from gateway.send_queue import CloseItem, SendQueue, TrailerItem
 from gateway.stream_listener import StreamListener
 
 log = logging.getLogger("cadence.session")
 
 FRAME_WRITER: Final = "cadence.frame_writer"  # the ASGI scope extension that carries a FrameWriter
-_CLOCK_SLACK_S: Final = 0.001  # the loop clock's granularity (1 ms under uvloop)
 _ALL: Final = sys.maxsize  # `_take` without a limit
 
 
@@ -84,169 +82,6 @@ class FrameWriter(Protocol):
     async def wait_writable(self) -> None: ...
 
     def write(self, messages: Iterable[bytes | str]) -> None: ...
-
-
-class Pacer:
-    """Shared by the sessions of one event loop: sessions with news are pumped once per loop pass,
-    in the order the news came; paced audio waits on ONE timer, on a grid of `pacing_tick_ms`
-    (GatewayConfig: paced audio, an engine ahead of real time, goes at most that often), and every
-    session whose audio is due by a tick is pumped at that tick."""
-
-    _of_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer]] = (
-        weakref.WeakKeyDictionary()
-    )
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Pacer:
-        pacer = cls._of_loop.get(loop)
-        if pacer is None:
-            pacer = cls._of_loop[loop] = cls(loop)
-        return pacer
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._news: dict[Session, None] = {}  # insertion-ordered set
-        self._pass_scheduled = False
-        self._due: list[tuple[float, int, Session]] = []  # (tick, tie-break, session), a heap
-        self._order = itertools.count()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
-
-    def pump_soon(self, session: Session) -> None:
-        self._news[session] = None
-        if not self._pass_scheduled:
-            self._pass_scheduled = True
-            self._loop.call_soon(self._pump_news)
-
-    def wake_at(self, session: Session, due: float) -> float:
-        """Pump `session` at the first tick at or after `due` (loop time); returns that tick."""
-        grid = session.pacing_tick_s
-        tick = math.ceil(due / grid) * grid
-        heapq.heappush(self._due, (tick, next(self._order), session))
-        if tick < self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer, self._timer_at = self._loop.call_at(tick, self._tick), tick
-        return tick
-
-    def _tick(self) -> None:
-        self._timer, self._timer_at = None, math.inf
-        horizon = self._loop.time() + _CLOCK_SLACK_S
-        while self._due and self._due[0][0] <= horizon:
-            session = heapq.heappop(self._due)[2]
-            session.paced_tick = None
-            self._news[session] = None
-        if self._due:
-            tick = self._due[0][0]
-            self._timer, self._timer_at = self._loop.call_at(tick, self._tick), tick
-        self._pump_news()
-
-    def _pump_news(self) -> None:
-        self._pass_scheduled = False
-        news, self._news = self._news, {}
-        sent: dict[GatewayMetrics, int] = {}  # packets, counted once per pass
-        for session in news:
-            try:
-                packets = session.pump()
-            except Exception:  # one session's failure must not stall the others
-                log.exception("session %s: pump failed", session.session_id)
-                continue
-            if packets:
-                sent[session.metrics] = sent.get(session.metrics, 0) + packets
-        for metrics, packets in sent.items():
-            metrics.packets.inc(packets)
-
-
-@dataclass(frozen=True, slots=True)
-class _CloseItem:
-    code: int
-    reason: str
-
-
-class _Trailer:
-    """A JSON message in the audio lane, after its stream's queued packets (utterance.done)."""
-
-    __slots__ = ("stream", "text")
-
-    def __init__(self, stream: int, text: str) -> None:
-        self.stream = stream
-        self.text = text
-
-
-# An audio-lane entry: a packet (it knows its stream) or a trailer. Packets are held as they are,
-# with no wrapper: paced packets wait seconds in the lane, and every object that waits that long
-# is walked by each young collection, whose pause every stream waits through
-_AudioItem = Packet | _Trailer
-
-
-def _ignore_news() -> None:
-    pass
-
-
-class SendQueue:
-    """Control messages ahead of audio; audio bounded by high/low watermarks (in items).
-    `on_news` is called whenever something is added or purged."""
-
-    def __init__(self, high: int, low: int, on_news: Callable[[], None]) -> None:
-        self.high = high
-        self.low = low
-        self.control: deque[str | _CloseItem] = deque()
-        self.audio: deque[_AudioItem] = deque()
-        self.writable = asyncio.Event()  # producers may add audio
-        self.writable.set()
-        self._news = on_news
-
-    def put_control(self, item: str | _CloseItem) -> None:
-        self.control.append(item)
-        self._news()
-
-    def put_audio(self, packets: list[Packet]) -> None:
-        self.audio.extend(packets)
-        if len(self.audio) >= self.high:
-            self.writable.clear()
-        self._news()
-
-    def put_trailer(self, stream: int, text: str) -> None:
-        self.audio.append(_Trailer(stream, text))
-        if len(self.audio) >= self.high:
-            self.writable.clear()
-        self._news()
-
-    def queued_bytes(self) -> int:
-        """Memory held by queued frames (payloads and JSON text), for /metrics."""
-        total = sum(len(c) if isinstance(c, str) else 0 for c in self.control)
-        for item in self.audio:
-            total += len(item.text) if isinstance(item, _Trailer) else len(item.frame)
-        return total
-
-    def purge(self, stream: int) -> int:
-        before = len(self.audio)
-        kept = [a for a in self.audio if a.stream != stream]
-        self.audio.clear()  # in place: a pump in progress holds this deque
-        self.audio.extend(kept)
-        self.after_take()
-        self._news()
-        return before - len(self.audio)
-
-    def withdraw(self, stream: int) -> tuple[list[Packet], bool]:
-        """Take this stream's queued packets back, in order (a pause), and say whether its trailer
-        was queued too (it is dropped: the protocol sends it again later)."""
-        taken = [a for a in self.audio if a.stream == stream]
-        if taken:
-            self.purge(stream)
-        packets = [a for a in taken if isinstance(a, Packet)]
-        return packets, len(packets) < len(taken)
-
-    def after_take(self) -> None:
-        """Audio was taken off the lane: producers may resume."""
-        if len(self.audio) <= self.low:
-            self.writable.set()
-
-    def detach(self) -> None:
-        """No more news: `on_news` (a callback holding the session) is dropped, which ends the
-        session <-> queue reference cycle, so a closed session is freed at once rather than left
-        for a full collection (whose pause every stream in the process waits through)."""
-        self._news = _ignore_news
 
 
 class Session:
@@ -319,7 +154,7 @@ class Session:
             self._stop_all_streams()
             if self.close_reason is not None:  # the writer may be stuck: close without waiting long
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._close_socket(_CloseItem(*self.close_reason)), 1.0)
+                    await asyncio.wait_for(self._close_socket(CloseItem(*self.close_reason)), 1.0)
             self.metrics.active_sessions.dec()
             self.metrics.active_utterances.dec(self._counted_active)
             self._counted_active = 0
@@ -437,7 +272,7 @@ class Session:
                 await self._send(text)
                 continue
             control = self.queue.control
-            if control and isinstance(close := control[0], _CloseItem):
+            if control and isinstance(close := control[0], CloseItem):
                 self._closing = True
                 control.popleft()
                 await self._close_socket(close)
@@ -483,13 +318,13 @@ class Session:
             # tick sends the rest together: one write for every packet it finds due)
             t0s, rate = self._stream_t0, protocol.output.sample_rate
             grid = self.pacing_tick_s
-            tick = math.floor((now + _CLOCK_SLACK_S) / grid) * grid
-            horizon = tick + self.config.realtime_lead_ms / 1000.0 + _CLOCK_SLACK_S
+            tick = math.floor((now + CLOCK_SLACK_S) / grid) * grid
+            horizon = tick + self.config.realtime_lead_ms / 1000.0 + CLOCK_SLACK_S
         packet_sent = protocol.packet_sent
         latest: dict[int, Packet] = {}
         packets = 0
         while len(frames) < most:
-            if control and not isinstance(control[0], _CloseItem):
+            if control and not isinstance(control[0], CloseItem):
                 if not self._take_text(control.popleft(), frames):
                     break
                 continue
@@ -497,7 +332,7 @@ class Session:
                 break
             item = audio[0]
             stream = item.stream
-            if type(item) is _Trailer:
+            if type(item) is TrailerItem:
                 audio.popleft()
                 if not self._take_text(item.text, frames):
                     break
@@ -523,7 +358,7 @@ class Session:
         self.queue.after_take()
         return packets
 
-    def _take_text(self, text: str | _CloseItem, frames: list[bytes | str]) -> bool:
+    def _take_text(self, text: str | CloseItem, frames: list[bytes | str]) -> bool:
         """Add a text frame; one that is not valid UTF-8 is set aside for the writer task."""
         assert isinstance(text, str)
         try:
@@ -558,7 +393,7 @@ class Session:
         if actions:
             self._execute(actions)
 
-    async def _close_socket(self, item: _CloseItem) -> None:
+    async def _close_socket(self, item: CloseItem) -> None:
         if self.websocket.application_state is WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await self.websocket.close(item.code, item.reason)
@@ -653,7 +488,7 @@ class Session:
                 self._cancel_stream(action.utterance_id)
                 self._first_text_at.pop(action.utterance_id, None)
             elif isinstance(action, Close):
-                self.queue.put_control(_CloseItem(action.code, action.reason))
+                self.queue.put_control(CloseItem(action.code, action.reason))
             elif isinstance(action, Hold | Unhold | Throttle | WakeAt):
                 pending.extendleft(reversed(self._pause_action(action)))
         self._count_active()

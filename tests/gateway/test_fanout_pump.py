@@ -19,10 +19,11 @@ from engine.api import AudioChunk, EngineInfo, SynthesisRequest, SynthesisStream
 from gateway.config import GatewayConfig
 from gateway.messages import unpack_packet
 from gateway.metrics import GatewayMetrics
+from gateway.pacer import Pacer
 from gateway.packets import Packet
 from gateway.protocol import SendAudio
 from gateway.server import frame_header
-from gateway.session import FRAME_WRITER, Pacer, Session
+from gateway.session import FRAME_WRITER, Session
 
 pytestmark = pytest.mark.timeout(30)
 TICK_MS = 40  # the pacing grid of the realtime tests (two 20 ms packets a tick)
