@@ -6,9 +6,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import pytest
-
 import numpy as np
+import pytest
 
 from engine.api import AudioChunk, Engine, Overloaded, SynthesisRequest, TextSegment, float_samples
 from engine.null import CHUNK_SAMPLES, SAMPLE_RATE, NullEngine, estimate_words

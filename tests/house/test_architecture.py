@@ -150,3 +150,16 @@ def test_the_gateway_and_the_torch_free_engines_import_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_session_protocol_does_no_io() -> None:
+    """gateway.protocol is sans-I/O: neither it nor anything it pulls in needs an event loop or a
+    socket (the callers, gateway.session and gateway.twilio, do the I/O)."""
+    code = (
+        "import sys\n"
+        "for blocked in ('asyncio', 'socket', 'selectors', 'starlette', 'uvicorn', 'websockets'):\n"
+        "    sys.modules[blocked] = None\n"
+        "import gateway.protocol\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
