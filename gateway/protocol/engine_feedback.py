@@ -18,7 +18,6 @@ from gateway.protocol.utterance import RECEIVING, Status
 class EngineFeedback(Fences):
     """The part of `SessionProtocol` that takes what the engine reports."""
 
-    # -- engine feedback ----------------------------------------------------------------------
     def open_succeeded(self, utterance_id: str) -> list[Action]:
         utt = self._active.get(utterance_id)
         if utt is None:
