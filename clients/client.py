@@ -58,6 +58,7 @@ class Words:
     utterance_id: str
     source: str
     words: tuple[Word, ...]
+    received_at: float = field(default=0.0, compare=False)  # time.perf_counter() on arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,7 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
         return Started(uid, int(raw["stream"]))
     if kind == "words":
         words = tuple(w for w in (_word(item) for item in raw.get("words", ())) if w is not None)
-        return Words(uid, str(raw.get("source", "")), words)
+        return Words(uid, str(raw.get("source", "")), words, time.perf_counter())
     if kind == "utterance.done":
         return Done(uid, int(raw["duration_ms"]), int(raw["packets"]))
     if kind in ("utterance.interrupted", "utterance.paused"):

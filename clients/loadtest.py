@@ -32,8 +32,8 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
-from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Session, connect
-from clients.loadtest_report import PRICE_PER_HOUR_USD, RequestRecord, headline, plot, summarize
+from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Session, Words, connect
+from clients.loadtest_report import PRICE_PER_HOUR_USD, RequestRecord, headline, plot, summarize, word_lags_ms
 
 DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
@@ -149,6 +149,8 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
     last: float | None = None
     samples = 0
     error: str | None = None
+    packets: list[tuple[int, float]] = []  # (sample past the packet, arrival): for the words' lag
+    words: list[tuple[float, list[int]]] = []
     await session.append(uid, prompt.text, **extra)
     await session.end(uid)
     ended = time.perf_counter()
@@ -158,6 +160,9 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
             last = event.received_at
             samples += event.samples
             clock.on_packet(event.samples, event.received_at)
+            packets.append((event.sample_offset + event.samples, event.received_at))
+        elif isinstance(event, Words):
+            words.append((event.received_at, [w.start_ms for w in event.words]))
         elif isinstance(event, Error):
             error = event.code
         elif isinstance(event, Interrupted):
@@ -175,6 +180,7 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
         error,
         clock.first_underrun_s,
         clock.stall_s,
+        word_lags_ms(packets, words, session.sample_rate),
     )
 
 
@@ -269,7 +275,7 @@ def run_point(
 
 def session_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"pacing": args.pacing, "timestamps": "word"}
-    for name in ("voice", "language", "token"):
+    for name in ("voice", "language", "token", "alignment"):
         if getattr(args, name):
             options[name] = getattr(args, name)
     return options
@@ -396,6 +402,7 @@ def run_metadata(args: argparse.Namespace, engine: dict[str, Any], command: str)
         "load_average_1m": round(os.getloadavg()[0], 2),  # other work on this machine at the start
         "gpu": gpu.splitlines()[0] if gpu else None,
         "model_shapes": args.model_shapes,
+        "alignment": getattr(args, "alignment", None),  # the sessions' (None: the server's default)
         "engine": engine,
         # a copied tree's .git may lag the files it holds: CADENCE_COMMIT names the real commit
         "commit": os.environ.get("CADENCE_COMMIT") or _command_output("git", "rev-parse", "HEAD"),
@@ -426,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-ms", type=float, default=150.0, help="player buffer for the underrun figure")
     p.add_argument("--no-forced", action="store_true", help="do not send bench.forced_frames")
     p.add_argument("--pacing", choices=("asap", "realtime"), default="asap")
+    p.add_argument(
+        "--alignment", choices=("async", "sync"), help="sessions' `alignment` (a server with --aligner)"
+    )
     p.add_argument("--voice")
     p.add_argument("--language")
     p.add_argument("--token")
@@ -482,6 +492,11 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
             cpu = {k: v for k, v in point.items() if k.endswith("_cpu_pct")}
             if cpu:
                 progress.console.print(f"  CPU, % of one core: {cpu}")
+            if point["words_timed"]:
+                progress.console.print(
+                    f"  words after their first audio p50/p90 {point['words_lag_ms_p50']}/"
+                    f"{point['words_lag_ms_p90']} ms; {point['words_before_audio_pct']} % came before it"
+                )
             if point["rtf_p90"] is not None and point["rtf_p90"] > args.stop_rtf:
                 break
     if not args.no_plots and run["points"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class RequestRecord:
     error: str | None = None
     first_underrun_s: float | None = None  # audio position of the first underrun
     stall_s: float = 0.0  # total time the player sat dry
+    word_lags_ms: tuple[float, ...] = ()  # each word's `words` event after its first audio (word_lags_ms)
 
     @property
     def ok(self) -> bool:
@@ -43,6 +45,24 @@ class RequestRecord:
     def rtf(self) -> float:
         assert self.last_packet_at is not None
         return (self.last_packet_at - self.ended_at) / self.audio_s
+
+
+def word_lags_ms(
+    packets: Sequence[tuple[int, float]], words: Sequence[tuple[float, Sequence[int]]], sample_rate: int
+) -> tuple[float, ...]:
+    """How long after the packet holding a word's first sample its `words` event came, per word.
+
+    `packets`: (sample just past the packet, arrival time) in order; `words`: (arrival time, the
+    words' start_ms) per event. Negative: the word came first. Words whose audio never came are
+    left out."""
+    ends = [end for end, _ in packets]
+    lags = []
+    for arrived, starts in words:
+        for start_ms in starts:
+            index = bisect.bisect_right(ends, start_ms * sample_rate // 1000)
+            if index < len(packets):
+                lags.append(round(1000.0 * (arrived - packets[index][1]), 3))
+    return tuple(lags)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -80,6 +100,7 @@ def summarize(
     rtf = [r.rtf for r in good]
     first_underrun = [r.first_underrun_s for r in good if r.first_underrun_s is not None]
     stall_ms = [1000.0 * r.stall_s for r in good]
+    lags = [lag for r in good for lag in r.word_lags_ms]
     return {
         "concurrency": concurrency,
         "requests": len(good),
@@ -100,6 +121,11 @@ def summarize(
         else None,
         "stall_ms_p90": _round(percentile(stall_ms, 90)),
         "stall_ms_p99": _round(percentile(stall_ms, 99)),
+        "words_timed": len(lags),
+        "words_lag_ms_p50": _round(percentile(lags, 50)),
+        "words_lag_ms_p90": _round(percentile(lags, 90)),
+        "words_lag_ms_p99": _round(percentile(lags, 99)),
+        "words_before_audio_pct": _round(100.0 * sum(lag <= 0 for lag in lags) / len(lags)) if lags else None,
         "chars_per_s": _round(chars_per_s),
         "audio_s_per_s": _round(sum(r.audio_s for r in completed) / wall, 3),
         "usd_per_m_chars": _round(usd_per_m_chars(chars_per_s, price_per_hour), 4),

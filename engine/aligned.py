@@ -9,8 +9,9 @@ form the next batch. An aligner with a `warm_up(max_batch)` method has it run on
 the event loop, so the first requests do not pay its kernels' first-use costs.
 
 Per stream the mode is "async" by default (audio passes at once, words follow when known), "sync"
-(audio held until its words are known; the added time to first audio is measured and reported in
-`load().extra`), or "off" (the wrapped engine's own words). The gateway may choose it per session
+(audio held until its words are known, released word by word as probes of the segment being made
+time them; the added time to first audio is measured and reported in `load().extra`), or "off"
+(the wrapped engine's own words). The gateway may choose it per session
 through the stream's optional `set_word_alignment(mode)`, called right after `open()`.
 """
 
@@ -49,6 +50,7 @@ JobDone = Callable[[AlignJob, tuple[WordTiming, ...]], None]
 @dataclass(slots=True)
 class AlignerStats:
     jobs: int = 0
+    probes: int = 0  # sync probes of segments still being made (engine.alignment_track)
     batches: int = 0
     failures: int = 0  # jobs answered with the engine's own words
     audio_s: float = 0.0
@@ -128,10 +130,13 @@ class AlignerWorker:
         self.stats.batches += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
         for (job, done), aligned in zip(batch, results, strict=True):
-            self.stats.jobs += 1
             self.stats.audio_s += job.audio_s
+            if job.probe:
+                self.stats.probes += 1
+            else:
+                self.stats.jobs += 1
             if aligned is None:
-                self.stats.failures += 1
+                self.stats.failures += 0 if job.probe else 1
                 words = job.fallback
             else:
                 words = job.words_from(aligned)
@@ -317,6 +322,7 @@ class AlignedEngine:
             extra.update(
                 {
                     "aligner_jobs": float(stats.jobs),
+                    "aligner_probes": float(stats.probes),
                     "aligner_batches": float(stats.batches),
                     "aligner_failures": float(stats.failures),
                     "aligner_queued": float(self._worker.queued),

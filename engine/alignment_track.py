@@ -3,13 +3,22 @@ alignment jobs and output chunks out.
 
 The wrapped engine's own words (native or estimated) are used only as a progress signal: they say
 where each text segment's audio ends. Once a segment is complete and its audio is in, the audio
-since the previous cut and the segment's text become one `AlignJob`; the aligner's words replace
-the engine's. Jobs are cut at segment boundaries on the utterance timeline, so windows never
-overlap and a word, once sent, is never revised.
+since the previous cut and the segment's text (what no probe has timed of it) become one `AlignJob`;
+the aligner's words replace the engine's. Jobs are cut at segment boundaries on the utterance
+timeline (and, in sync mode, after the words a probe timed), so windows never overlap and a word,
+once sent, is never revised.
 
 Modes: "sync" holds audio until the words inside it are known (each release carries its words);
 "async" passes audio through at once and sends the words as words-only chunks when ready;
 "off" passes the engine's chunks through untouched.
+
+Probes (sync mode): an engine may say where a segment ends only once it has spoken all of it (the
+Qwen3 engine does), so sync audio would wait for whole segments. While a segment is still being
+made, its audio so far is aligned against its text not yet timed (a probe). A forced aligner must
+place every unit somewhere, so a probe's word counts only when it ends well before the probe's
+audio does and the previous probe gave it the same times (more audio did not move it). The words
+that pass, from the first on, are sent with the audio up to the last one's end; that point becomes
+the next window's start, so nothing sent is revised and windows still never overlap.
 """
 
 from __future__ import annotations
@@ -27,6 +36,20 @@ from engine.api import AudioChunk, TextSegment, WordTiming, float_samples
 AlignmentMode = Literal["sync", "async", "off"]
 ALIGNMENT_MODES: tuple[AlignmentMode, ...] = ("sync", "async", "off")
 MIN_WINDOW_S = 0.1  # shorter windows are padded with silence (the aligner needs >= 10 ms)
+PROBE_MIN_S = 0.5  # a sync window is probed once it holds this much audio,
+PROBE_STEP_S = 0.25  # then after each this much more (or half of what the last probe saw, if more)
+PROBE_GUARD_S = 0.24  # a probed word must end this long (three 80 ms slots) before the probe's audio
+PROBE_AGREE_S = 0.04  # and keep the slots the probe before gave it (within half a slot)
+
+
+def tail(segment: TextSegment, start: int) -> TextSegment:
+    """The segment's text from `start` on, still pointing into the client's text."""
+    if start == 0:
+        return segment
+    text = segment.text[start:]
+    if segment.char_map is None:
+        return TextSegment(text, segment.char_start + start, segment.language)
+    return TextSegment(text, segment.source_offset(start), segment.language, segment.char_map[start:])
 
 
 def content_end(segment: TextSegment) -> int | None:
@@ -45,6 +68,23 @@ class _Segment:
     content_end: int | None
     inner_words: list[WordTiming] = field(default_factory=list)
     done: bool = False  # the engine has spoken all of it
+    timed: int = 0  # characters of its text already timed by probes
+
+    @property
+    def rest(self) -> TextSegment:
+        """The part of the text no probe has timed."""
+        return tail(self.segment, self.timed)
+
+    @property
+    def rest_has_content(self) -> bool:
+        return self.content_end is not None and any(c.isalnum() for c in self.segment.text[self.timed :])
+
+    def local_index(self, client_offset: int) -> int:
+        """The first index of the text at or past `client_offset` in the client's text."""
+        i = self.timed
+        while i < len(self.segment.text) and self.segment.source_offset(i) < client_offset:
+            i += 1
+        return i
 
     @property
     def inner_start(self) -> int:
@@ -77,6 +117,7 @@ class AlignJob:
     fallback: tuple[WordTiming, ...]  # the engine's words, used when alignment fails
     urgent: bool = False  # sync mode: audio waits on it
     cancelled: bool = False
+    probe: bool = False  # a sync probe: the audio so far of a segment still being made
 
     @property
     def audio_s(self) -> float:
@@ -164,6 +205,9 @@ class AlignmentTracker:
         self._results: dict[int, tuple[WordTiming, ...]] = {}
         self._emitted_jobs = 0  # jobs whose words are out, in order
         self.finished = False
+        self._probe: AlignJob | None = None  # the probe in flight
+        self._probed_to = 0  # where the last probe of segment `_next` ended (0: none yet)
+        self._probe_times: dict[int, tuple[int, int]] = {}  # that probe's words: char_start -> times
 
     # -- inputs -----------------------------------------------------------------------------
     def set_mode(self, mode: AlignmentMode) -> None:
@@ -195,6 +239,9 @@ class AlignmentTracker:
             for seg in self._segments:
                 seg.done = True
         jobs = self._advance()
+        probe = self._maybe_probe()
+        if probe is not None:
+            jobs.append(probe)
         out: list[AudioChunk] = []
         if self.mode == "async" and self._audio.end > self._released:
             out.append(self._release(self._audio.end, ()))
@@ -202,6 +249,8 @@ class AlignmentTracker:
 
     def on_aligned(self, job: AlignJob, words: tuple[WordTiming, ...]) -> list[AudioChunk]:
         """A job's words (aligned, or the fallback): the chunks that can go out now, in order."""
+        if job.probe:
+            return self._on_probe(job, words)
         self._results[job.seq] = words
         out: list[AudioChunk] = []
         while self._emitted_jobs < len(self._jobs) and self._emitted_jobs in self._results:
@@ -246,10 +295,13 @@ class AlignmentTracker:
         while self._next < len(segs):
             first = segs[self._next]
             if first.content_end is None:  # punctuation or space only: nothing to time
-                self._next += 1
+                self._step_segment(1)
                 continue
             if not first.done:
                 break
+            if not first.rest_has_content:  # probes timed all of it: its audio goes with the next
+                self._step_segment(1)
+                continue
             last_content = max(i for i, s in enumerate(segs) if s.content_end is not None)
             if first.inner_words:
                 group = [first]
@@ -272,24 +324,34 @@ class AlignmentTracker:
             if self._audio.end < cut:
                 break
             jobs.append(self._job(group, cut))
-            self._next += len(group)
+            self._step_segment(len(group))
             self._window_start = cut
         return jobs
+
+    def _step_segment(self, count: int) -> None:
+        """Segment `_next` is dealt with: a probe of it is no longer wanted."""
+        self._next += count
+        if self._probe is not None:
+            self._probe.cancelled = True
+            self._probe = None
+        self._probed_to = 0
+        self._probe_times = {}
 
     def _job(self, group: list[_Segment], cut: int) -> AlignJob:
         text, pieces = "", []
         for seg in group:
-            t = seg.segment.text
+            t = seg.rest.text
             if text and not text[-1].isspace() and t and not t[0].isspace():
                 text += " "
-            pieces.append(JobPiece(seg.segment, len(text)))
+            pieces.append(JobPiece(seg.rest, len(text)))
             text += t
         audio = self._audio.slice(self._window_start, cut)
         shortest = int(MIN_WINDOW_S * self.rate)
         if len(audio) < shortest:
             audio = np.concatenate((audio, np.zeros(shortest - len(audio), np.float32)))
         language = next((s.segment.language for s in group if s.segment.language), None) or self.language
-        fallback = tuple(w for s in group for w in s.inner_words)
+        untimed = group[0].rest.source_offset(0)
+        fallback = tuple(w for s in group for w in s.inner_words if w.char_start >= untimed)
         job = AlignJob(
             request_id=self.request_id,
             seq=len(self._jobs),
@@ -305,6 +367,69 @@ class AlignmentTracker:
         )
         self._jobs.append(job)
         return job
+
+    def _maybe_probe(self) -> AlignJob | None:
+        """Sync mode, nothing else outstanding: a probe of the segment being made, when its window
+        has grown enough since the last one."""
+        if self.mode != "sync" or self._probe is not None or self.pending_jobs or self.inner_final:
+            return None
+        if self._next >= len(self._segments):
+            return None
+        seg = self._segments[self._next]
+        if seg.done or not seg.rest_has_content:
+            return None
+        start, end = self._window_start, self._audio.end
+        if end - start < PROBE_MIN_S * self.rate or end - start > self.max_window:
+            return None
+        if self._probed_to:
+            step = max(int(PROBE_STEP_S * self.rate), (self._probed_to - start) // 2)
+            if end - self._probed_to < step:
+                return None
+        self._probed_to = end
+        rest = seg.rest
+        self._probe = AlignJob(
+            request_id=self.request_id,
+            seq=-1,
+            audio=self._audio.slice(start, end),
+            sample_rate=self.rate,
+            text=rest.text,
+            language=rest.language or self.language,
+            pieces=(JobPiece(rest, 0),),
+            window_start=start,
+            window_end=end,
+            fallback=(),
+            urgent=True,
+            probe=True,
+        )
+        return self._probe
+
+    def _on_probe(self, probe: AlignJob, words: tuple[WordTiming, ...]) -> list[AudioChunk]:
+        if probe is not self._probe:
+            return []  # its segment was cut meanwhile: the job that cut it times these words
+        self._probe = None
+        earlier = self._probe_times
+        self._probe_times = {w.char_start: (w.start_sample, w.end_sample) for w in words}
+        latest_end = probe.window_end - int(PROBE_GUARD_S * self.rate)
+        agree = int(PROBE_AGREE_S * self.rate)
+        final: list[WordTiming] = []
+        for word in words:
+            before = earlier.get(word.char_start)
+            if (
+                word.end_sample > latest_end
+                or before is None
+                or abs(before[0] - word.start_sample) > agree
+                or abs(before[1] - word.end_sample) > agree
+            ):
+                break
+            final.append(word)
+        if not final:
+            return []
+        seg = self._segments[self._next]
+        seg.timed = seg.local_index(final[-1].char_end)
+        self._window_start = max(self._window_start, final[-1].end_sample)
+        out = [self._release(self._window_start, tuple(final))]
+        self._audio.drop_before(min(self._released, self._window_start))
+        return out
 
     def window_too_long(self, job: AlignJob) -> bool:
         return job.window_end - job.window_start > self.max_window
