@@ -14,6 +14,16 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"CADENCE_{name.upper()}", default)
 
 
+def _streams(text: str) -> int | None:
+    """`--max-streams N` or `auto` (None)."""
+    if text == "auto":
+        return None
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError("--max-streams must be a positive number or auto")
+    return count
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cadence serve", description="Run the speech gateway.")
     p.add_argument("--host", default=_env("host", "127.0.0.1"))
@@ -57,7 +67,13 @@ def _serve_parser() -> argparse.ArgumentParser:
         help="a setting of the Qwen3 engine's scheduler (engine.qwen3.scheduler.SchedulerConfig), e.g. "
         "--scheduler urgent_codec_chunks=true (repeatable; the variable: space-separated)",
     )
-    p.add_argument("--max-streams", type=int, default=int(_env("max_streams", "256") or 256))
+    p.add_argument(
+        "--max-streams",
+        type=_streams,
+        default=_streams(_env("max_streams", "auto") or "auto"),
+        help="the most streams the engine admits, within what its measured cost keeps in real time "
+        "(auto: from the GPU's memory for qwen3, from the cost measured at start for espeak)",
+    )
     p.add_argument(
         "--upstream",
         default=_env("upstream", None),

@@ -22,7 +22,10 @@ class EngineOptions:
     codec_overlap: bool = False  # Code2Wav beside the talker on a CUDA stream of its own
     first_chunk_lane: bool = True  # later chunks queued behind sampling, first chunks on a lane beside
     fused_layers: bool = True  # talker and code predictor layers through the fused kernels (CUDA bf16)
-    max_streams: int = 256  # concurrent streams the engine admits
+    # the most streams the engine admits; within it, the engine admits what its measured cost keeps
+    # in real time. None ("auto"): qwen3, the talker slots the KV budget holds; espeak, what its
+    # worker keeps in real time alone, measured at start; null, no bound
+    max_streams: int | None = None
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
@@ -94,11 +97,11 @@ def build_engine(options: EngineOptions) -> Engine:
     if options.name == "espeak":
         from engine.espeak.engine import EspeakEngine
 
-        return EspeakEngine()
+        return EspeakEngine(max_streams=options.max_streams)
     if options.name == "null":
         from engine.null import NullEngine
 
-        return NullEngine()
+        return NullEngine() if options.max_streams is None else NullEngine(max_streams=options.max_streams)
     if options.name == "vllm-omni":
         if not options.upstream:
             raise SystemExit(
@@ -110,7 +113,9 @@ def build_engine(options: EngineOptions) -> Engine:
             VllmOmniConfig(
                 upstream=options.upstream,
                 max_streams=options.upstream_streams,
-                queue_limit=max(0, options.max_streams - options.upstream_streams),
+                queue_limit=64
+                if options.max_streams is None
+                else max(0, options.max_streams - options.upstream_streams),
                 word_timestamps=options.upstream_word_timestamps,
             )
         )
@@ -137,22 +142,21 @@ def build_engine(options: EngineOptions) -> Engine:
             dtype_name = (
                 "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
             )
-        batch = min(512, options.max_streams)
         if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
             kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
         else:
             kv_budget = 2 << 30
         config = Qwen3EngineConfig(
             max_streams=options.max_streams,
-            max_batch=batch,
+            max_batch=0,  # a decode row for every talker slot: the batch follows the KV budget
             enforce_eager=options.eager or device == "cpu",
             codec_overlap=options.codec_overlap,
             first_chunk_lane=options.first_chunk_lane,
             fused_layers=options.fused_layers,
             scheduler_overrides=options.scheduler,
             kv_budget_bytes=kv_budget,
-            # every decoding row takes one token of a step's budget: leave room for new prompts beside them
-            max_tokens_per_step=batch + 512,
+            # every decoding row takes one token of a step's budget: the batch plus room for new prompts
+            max_tokens_per_step=0,
         )
         engine = Qwen3Engine.from_pretrained(options.model, device, getattr(torch, dtype_name), config)
         if fp8:  # before start(): the CUDA graphs are captured over the quantised layers

@@ -21,11 +21,14 @@ import numpy.typing as npt
 import torch
 
 from engine.api import (
+    AdmissionFigures,
     AudioChunk,
     EngineError,
     EngineInfo,
     EngineLoad,
     InvalidRequest,
+    Overloaded,
+    QueuePosition,
     SynthesisRequest,
     TextSegment,
     UnknownVoice,
@@ -51,13 +54,15 @@ from engine.qwen3.voice_cache import VoicePromptCache
 
 @dataclass(slots=True)
 class Qwen3EngineConfig:
-    max_streams: int = 64  # concurrent utterances (Code2Wav rows); more queue, then Overloaded
+    # utterances admitted at most (Code2Wav rows; None: one per talker slot the KV budget holds);
+    # within it, admission by the measured step cost (engine.qwen3.capacity); more queue, then Overloaded
+    max_streams: int | None = 64
     queue_limit: int = 256
     kv_slots: int | None = None  # talker slots; None: from kv_budget_bytes (capped at max_streams)
     kv_budget_bytes: int = 8 << 30
     max_len: int = 512  # talker positions per segment (prompt + frames)
-    max_batch: int = 64
-    max_tokens_per_step: int = 512
+    max_batch: int = 64  # rows per step (0: one per talker slot: the batch follows the KV budget)
+    max_tokens_per_step: int = 512  # 0: the batch plus 512 for new prompts beside the decode rows
     max_prefill_chunk: int = 256
     max_trailing: int = 256
     kv_buckets: tuple[int, ...] = (128, 256)
@@ -156,6 +161,7 @@ class Qwen3Stream:
         # a forced length (benchmarks) is the utterance's total: its segments are held until the text
         # is closed, then the frames are shared among them by characters
         self._held: list[TextSegment] | None = [] if request.forced_frames is not None else None
+        self.ticket: Any = None  # its engine.admission.Ticket (set by the engine's open)
 
     def push(self, segment: TextSegment) -> None:
         if self._closed:
@@ -182,6 +188,15 @@ class Qwen3Stream:
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
+
+    def queue_position(self) -> QueuePosition | None:
+        ticket = self.ticket
+        if ticket is None or not ticket.queued:
+            return None
+        return self._engine.core.run_locked(lambda s: s.admission.position(ticket))  # type: ignore[return-value]
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else float(self.ticket.waited_s)
 
 
 class Qwen3Engine:
@@ -236,14 +251,16 @@ class Qwen3Engine:
                 ec.kv_budget_bytes, bytes_per_token, ec.max_len + 1, ec.max_streams
             )
             layout = KVCacheLayout(layout.num_slots, ec.max_len, bytes_per_token)
+        self.max_streams = streams = ec.max_streams or layout.num_slots
+        batch = ec.max_batch or min(streams, layout.num_slots)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_batch=ec.max_batch,
-                max_tokens_per_step=ec.max_tokens_per_step,
+                max_batch=batch,
+                max_tokens_per_step=ec.max_tokens_per_step or batch + 512,
                 max_prefill_chunk=ec.max_prefill_chunk,
-                codec_slots=ec.max_streams,
+                codec_slots=streams,
                 queue_limit=ec.queue_limit,
-                max_codec_rows=ec.max_batch,
+                max_codec_rows=batch,
                 codec_frame_buckets=ec.codec_frame_buckets,
                 eos_code=config.talker.codec_eos_id,
                 ttfa_target_s=ec.ttfa_target_s,
@@ -258,12 +275,12 @@ class Qwen3Engine:
             RunnerConfig(
                 num_slots=layout.num_slots,
                 max_len=ec.max_len,
-                codec_slots=ec.max_streams,
-                max_batch=ec.max_batch,
+                codec_slots=streams,
+                max_batch=batch,
                 max_trailing=ec.max_trailing,
                 kv_buckets=ec.kv_buckets,
                 codec_frame_buckets=ec.codec_frame_buckets,
-                max_codec_batch=min(ec.max_batch, ec.max_codec_batch),
+                max_codec_batch=min(batch, ec.max_codec_batch),
                 enforce_eager=ec.enforce_eager,
                 defer_codec=ec.defer_codec,
                 codec_overlap=ec.codec_overlap,
@@ -331,7 +348,7 @@ class Qwen3Engine:
         self._streams.clear()
 
     def load(self) -> EngineLoad:
-        def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float]]:
+        def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float], AdmissionFigures]:
             figures = s.kv.stats()
             ttfa = s.ttfa_p50_s()
             if ttfa is not None:
@@ -341,9 +358,9 @@ class Qwen3Engine:
             figures["ttfa_samples"] = float(s.ttfa_samples)
             figures["requests_finished"] = float(s.finished)
             figures.update(s.leads.snapshot(s.clock()))
-            return s.num_active, s.num_queued, figures
+            return s.num_active, s.num_queued, figures, s.admission.figures()
 
-        active, queued, kv = self.core.run_locked(snapshot)  # type: ignore[misc]
+        active, queued, kv, admission = self.core.run_locked(snapshot)  # type: ignore[misc]
         extra = dict(kv)
         extra["active_streams"] = float(active)
         extra["queued_requests"] = float(queued)
@@ -364,10 +381,11 @@ class Qwen3Engine:
         return EngineLoad(
             active=active,
             queued=queued,
-            capacity=self.econfig.max_streams,
-            queue_limit=self.econfig.queue_limit,
+            capacity=admission.capacity,
+            queue_limit=admission.queue_limit,
             ready=self._ready,
             extra=extra,
+            admission=admission,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -432,6 +450,7 @@ class Qwen3Engine:
             arrival_time=self.scheduler.clock(),
             ttfa_target_s=self.econfig.ttfa_target_s,
             sampling=self._sampling(request),
+            max_wait_s=request.max_wait_s,
         )
         stream = Qwen3Stream(self, request, voice, ChunkChannel())
         self._streams[request.request_id] = stream
@@ -440,6 +459,7 @@ class Qwen3Engine:
         except Exception:
             del self._streams[request.request_id]
             raise
+        stream.ticket = state.ticket
         return stream
 
     def _push(self, stream: Qwen3Stream, segment: TextSegment, forced_frames: int | None = None) -> None:
@@ -589,6 +609,8 @@ class Qwen3Engine:
                     final=True,
                 ),
             )
+        elif o.status == RequestStatus.FINISHED_ERROR and o.retry_after_s is not None:
+            batch.fail(stream.channel, Overloaded(o.error or "engine at capacity", o.retry_after_s))
         elif o.status == RequestStatus.FINISHED_ERROR:
             batch.fail(stream.channel, EngineError(o.error or "synthesis failed"))
         else:

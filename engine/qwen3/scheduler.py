@@ -1,5 +1,7 @@
 """Continuous batching for the talker and Code2Wav: which rows run in the next step (no torch).
 
+A new request is first admitted by measured cost (engine.qwen3.capacity: the step time measured by
+batch size, against a frame's audio), or waits in engine.admission's bounded queue, or is refused.
 Every step:
 1. admission: waiting requests take a free talker slot (and a Code2Wav row on first admission),
    interactive before bulk, then the earliest deadline; an interactive request may preempt a
@@ -22,7 +24,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.admission import Admission
+from engine.api import ChunkSchedule, Priority
+from engine.qwen3.capacity import HEADROOM, INITIAL_STREAMS, StepCapacity
 from engine.qwen3.delivery_leads import DeliveryLeads
 from engine.qwen3.kv_cache import KVCacheManager, SlotPool
 from engine.qwen3.plan import (
@@ -53,8 +57,13 @@ class SchedulerConfig:
     max_batch: int = 64  # rows sampling a frame per step (decode rows + prefill chunks)
     max_tokens_per_step: int = 512  # decode rows count one token each; prefill fills the rest
     max_prefill_chunk: int = 256  # positions of one request's prompt per step
-    codec_slots: int = 64  # Code2Wav state rows = requests active at once (capacity)
-    queue_limit: int = 256  # requests waiting beyond the active ones; more -> Overloaded
+    codec_slots: int = 64  # Code2Wav state rows = requests active at once at most
+    queue_limit: int = 256  # requests waiting for admission; more -> Overloaded
+    # admission by measured cost (engine.qwen3.capacity): the step predicted for the admitted
+    # streams stays within this share of a frame's audio; `initial_streams` are admitted before
+    # a measured step says otherwise
+    headroom: float = HEADROOM
+    initial_streams: int = INITIAL_STREAMS
     max_codec_rows: int = 64  # Code2Wav rows per step
     # rows per step whose chunk goes out below its scheduled size because the listener's buffer runs
     # low. Beyond these, late rows wait a step and grow: under overload every late stream flushing one
@@ -166,13 +175,24 @@ class Scheduler:
         self._caught_up: list[Request] = []  # requests with no frame pending at this step's Code2Wav plan
         self.leads = DeliveryLeads()
         self.finished = 0  # requests ended, any status
+        self.capacity = StepCapacity(FRAME_S, config.headroom, initial_streams=config.initial_streams)
+        self.admission: Admission[Request] = Admission(
+            config.codec_slots,
+            config.queue_limit,
+            capacity=lambda: self.capacity.capacity(self.config.codec_slots),
+            starts=lambda: self.capacity.starts(
+                len(self.running), len(self._awaiting_first), self.config.max_tokens_per_step
+            ),
+            clock=clock,
+        )
+        self._awaiting_first: set[str] = set()  # admitted with text, no first audio yet
+        self._measured_rows = 0  # rows of the last step, when the next one follows at once
 
     # -- inputs (called between steps) -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if len(self.requests) >= self.config.codec_slots + self.config.queue_limit:
-            raise Overloaded(retry_after_s=max(0.5, self.step_time_s * 50))
+        request.ticket = self.admission.arrive(request, request.priority, request.max_wait_s)  # or Overloaded
         self.requests[request.request_id] = request
         if request.segments:
             self._start_next_segment(request)
@@ -217,14 +237,41 @@ class Scheduler:
                 outs.append(self._finish(r, RequestStatus.FINISHED_ERROR))
         return outs
 
+    def expire(self) -> list[RequestOutput]:
+        """Requests still queued for admission when their own max wait passed: refused."""
+        outs = []
+        for ticket in self.admission.expire():
+            r = ticket.item
+            if r.request_id in self.requests and not r.is_finished:
+                error = self.admission.expired_error(ticket)
+                r.error, r.retry_after_s = str(error), error.retry_after_s
+                outs.append(self._finish(r, RequestStatus.FINISHED_ERROR))
+        return outs
+
+    def until_expiry(self) -> float | None:
+        """Seconds until a queued request's max wait passes (None: none waits with one)."""
+        at = self.admission.next_expiry()
+        return None if at is None else max(0.0, at - self.clock())
+
+    def _promote(self) -> None:
+        """Admit the queued requests the measured cost has room for now."""
+        for ticket in self.admission.admit_waiting():
+            r = ticket.item
+            if r.status == RequestStatus.WAITING and r.current is not None:
+                self.waiting.append(r)
+                self._awaiting_first.add(r.request_id)
+
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         now = self.clock()
         if self._last_schedule is not None and now - self._last_schedule < IDLE_GAP_S:
             self.step_time_s += 0.1 * (now - self._last_schedule - self.step_time_s)
+            if self._measured_rows:  # the step before ran straight into this one: its cost
+                self.capacity.step(self._measured_rows, now - self._last_schedule)
         self._last_schedule = now
         self._step += 1
         plan = StepPlan(step=self._step)
+        self._promote()
         self._admit()
         budget = self.config.max_tokens_per_step
         if len(self.running) > min(self.config.max_batch, budget):  # who goes first matters only then
@@ -264,6 +311,8 @@ class Scheduler:
             budget -= n
             rows += 1
             plan.num_prefill_tokens += n
+            if start == seg.copied and not r.codes:  # a new stream's prompt: what its first audio waits for
+                self.capacity.prompt(seg.context_target - seg.copied)
         plan.codec = self._schedule_codec(now)
         for c in plan.codec:
             r = self.requests[c.request_id]
@@ -326,6 +375,7 @@ class Scheduler:
 
         rows = plan.sampling_rows
         self._frames_per_step += 0.1 * (len(rows) - self._frames_per_step)
+        self._measured_rows = len(rows) if self.running else 0
         codes = output.codes
         if len(codes) != len(rows):
             raise ValueError(f"runner returned {len(codes)} frames for {len(rows)} rows")
@@ -420,6 +470,7 @@ class Scheduler:
             if first is None:
                 r.first_audio_time = now
                 ttfa((now, now - r.arrival_time))
+                self._awaiting_first.discard(rid)
 
     # -- load ---------------------------------------------------------------------------------
     @property
@@ -468,7 +519,10 @@ class Scheduler:
             self._reuse_prefix(r)
         else:
             r.status = RequestStatus.WAITING
-            self.waiting.append(r)
+            if r.admitted:  # else it joins once admitted (_promote)
+                self.waiting.append(r)
+                if r.first_audio_time is None:
+                    self._awaiting_first.add(r.request_id)
 
     def _can_admit(self, r: Request) -> bool:
         if r.codec_slot is None and self.codec_pool.num_free == 0:
@@ -586,7 +640,12 @@ class Scheduler:
             self.leads.stream_done(self.clock(), r.min_lead_s)
         self.requests.pop(r.request_id, None)
         self.finished += 1
-        return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
+        self._awaiting_first.discard(r.request_id)
+        if r.ticket is not None:
+            self.admission.leave(r.ticket)
+            r.ticket = None
+            self._promote()
+        return RequestOutput(r.request_id, finished=True, status=status, error=r.error, retry_after_s=r.retry_after_s)
 
     def _snap(self, frames: int) -> int:
         """The largest codec bucket of at most `frames` frames (0: none); the buckets are sorted."""
