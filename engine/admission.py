@@ -33,8 +33,12 @@ BUCKETS_PER_OCTAVE = 4
 
 
 class LoadCurve:
-    """A cost measured by batch shape: per bucket of row counts (four per octave), running means
-    of the rows and the cost observed there.
+    """A cost measured by batch shape: per bucket of row counts (four per octave), the running
+    mean of the rows observed there and a running estimate of the cost that rises fast and falls
+    slowly (`rise`, `fall`): a batch of one size costs more when more of its streams are young
+    (a step with many first chunks), and admission must hold through such waves, not on average.
+    A bucket above every one measured in the last `memory` observations is forgotten: the cost
+    there is measured again when load comes back, instead of holding admission below it forever.
 
     `predict(rows)` interpolates between the buckets, never below the cost of a smaller batch
     (noise must not make a larger batch look cheaper); past the largest batch measured it goes on
@@ -42,11 +46,19 @@ class LoadCurve:
     quarter further, at least `probe_rows` more): a cost never measured near there is not
     predicted, so capacity grows as load shows what larger batches cost, a step at a time."""
 
-    def __init__(self, smoothing: float = 0.1, probe_factor: float = 1.25, probe_rows: int = 8) -> None:
-        self.smoothing = smoothing
+    def __init__(
+        self,
+        rise: float = 0.1,
+        fall: float = 0.05,
+        probe_factor: float = 1.25,
+        probe_rows: int = 8,
+        memory: int = 400,
+    ) -> None:
+        self.rise, self.fall = rise, fall
+        self.memory = memory
         self.probe_factor = probe_factor
         self.probe_rows = probe_rows
-        self._points: dict[int, list[float]] = {}  # bucket -> [mean rows, mean cost]
+        self._points: dict[int, list[float]] = {}  # bucket -> [mean rows, cost, last observation]
         self._curve: list[tuple[float, float]] | None = None  # (rows, cost), rising in both
         self.samples = 0
 
@@ -54,14 +66,24 @@ class LoadCurve:
         if rows < 1 or not math.isfinite(cost) or cost < 0:
             return
         key = round(BUCKETS_PER_OCTAVE * math.log2(rows))
+        self.samples += 1
         point = self._points.get(key)
         if point is None:
-            self._points[key] = [float(rows), cost]
+            self._points[key] = [float(rows), cost, self.samples]
         else:
-            point[0] += self.smoothing * (rows - point[0])
-            point[1] += self.smoothing * (cost - point[1])
+            point[0] += 0.1 * (rows - point[0])
+            point[1] += (self.rise if cost > point[1] else self.fall) * (cost - point[1])
+            point[2] = self.samples
+        if self.samples % 64 == 0:
+            self._forget_stale()
         self._curve = None
-        self.samples += 1
+
+    def _forget_stale(self) -> None:
+        recent = [k for k, p in self._points.items() if self.samples - p[2] <= self.memory]
+        if recent:
+            top = max(recent)
+            for key in [k for k in self._points if k > top]:
+                del self._points[key]
 
     def curve(self) -> list[tuple[float, float]]:
         """The buckets' (rows, cost), by rows, the cost made non-decreasing."""

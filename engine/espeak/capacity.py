@@ -34,7 +34,7 @@ class EspeakCapacity:
         # by streams generating: their share of real time (n x engine-seconds per audio-second).
         # The share grows in proportion to n (one thread, serial work) but for the contention
         # measured: the reach past the largest measured batch is wide
-        self.curve = LoadCurve(smoothing=0.2, probe_factor=1.5, probe_rows=16)
+        self.curve = LoadCurve(probe_factor=1.5, probe_rows=16)
         self.uncontended_cost: float | None = None  # engine-seconds per audio-second, alone
         self.first_piece_s: float | None = None  # running mean of a first sentence's synthesis
         self._synth_s = self._audio_s = self._streams_s = 0.0

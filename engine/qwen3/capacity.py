@@ -16,7 +16,7 @@ import math
 
 from engine.admission import LoadCurve
 
-HEADROOM = 0.8  # a step's predicted time for the admitted streams, as a share of a frame's audio
+HEADROOM = 0.7  # a step's predicted time for the admitted streams, as a share of a frame's audio
 TTFA_TARGET_S = 0.15  # a new stream's first audio, from its admission
 INITIAL_STREAMS = 64  # admitted before the steps measured say more or fewer
 
@@ -33,7 +33,7 @@ class StepCapacity:
         self.headroom = headroom
         self.ttfa_target_s = ttfa_target_s
         self.initial_streams = initial_streams
-        self.curve = LoadCurve(smoothing=0.1, probe_factor=1.25, probe_rows=8)  # step seconds by rows
+        self.curve = LoadCurve(probe_factor=1.1, probe_rows=8)  # step seconds by rows
         self.prompt_positions: float | None = None  # running mean of a new stream's prompt to prefill
 
     @property

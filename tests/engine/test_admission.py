@@ -23,7 +23,7 @@ def test_an_empty_curve_predicts_nothing_and_admits_nothing() -> None:
 
 
 def test_the_curve_interpolates_and_never_falls_with_the_batch() -> None:
-    curve = LoadCurve(smoothing=1.0)
+    curve = LoadCurve(rise=1.0, fall=1.0)
     for rows, cost in ((8, 10.0), (32, 20.0), (64, 18.0)):  # 64 measured cheaper: noise
         curve.observe(rows, cost)
     assert curve.predict(8) == 10.0
@@ -33,7 +33,7 @@ def test_the_curve_interpolates_and_never_falls_with_the_batch() -> None:
 
 
 def test_the_curve_reaches_only_a_little_past_what_was_measured() -> None:
-    curve = LoadCurve(smoothing=1.0, probe_factor=1.25, probe_rows=8)
+    curve = LoadCurve(rise=1.0, fall=1.0, probe_factor=1.25, probe_rows=8)
     curve.observe(100, 30.0)
     curve.observe(200, 50.0)
     assert curve.reach() == 250
@@ -46,7 +46,7 @@ def test_the_curve_reaches_only_a_little_past_what_was_measured() -> None:
 
 
 def test_one_point_extends_in_proportion() -> None:
-    curve = LoadCurve(smoothing=1.0, probe_factor=1.5, probe_rows=16)
+    curve = LoadCurve(rise=1.0, fall=1.0, probe_factor=1.5, probe_rows=16)
     curve.observe(1, 0.01)
     assert curve.reach() == 17
     assert curve.predict(10) == pytest.approx(0.1)
