@@ -220,7 +220,9 @@ class Admission(Generic[T]):
         return room
 
     # -- arrivals and departures ---------------------------------------------------------------------
-    def arrive(self, item: T, priority: Priority = Priority.INTERACTIVE, max_wait_s: float | None = None) -> Ticket[T]:
+    def arrive(
+        self, item: T, priority: Priority = Priority.INTERACTIVE, max_wait_s: float | None = None
+    ) -> Ticket[T]:
         """Admit `item` now (ticket.admitted_at is set), queue it (ticket.position and
         expected_wait_s say where and for how long), or raise Overloaded."""
         now = self.clock()
@@ -285,7 +287,9 @@ class Admission(Generic[T]):
         now = self.clock()
         out: list[Ticket[T]] = []
         for queue in self._queues.values():
-            for ticket in [t for t in queue if t.max_wait_s is not None and now - t.arrived_at >= t.max_wait_s]:
+            for ticket in [
+                t for t in queue if t.max_wait_s is not None and now - t.arrived_at >= t.max_wait_s
+            ]:
                 queue.remove(ticket)
                 ticket.done = True
                 self._refuse("wait_expired")
@@ -301,7 +305,9 @@ class Admission(Generic[T]):
 
     def next_expiry(self) -> float | None:
         """When the first queued request's max wait passes (clock time), or None."""
-        times = [t.arrived_at + t.max_wait_s for q in self._queues.values() for t in q if t.max_wait_s is not None]
+        times = [
+            t.arrived_at + t.max_wait_s for q in self._queues.values() for t in q if t.max_wait_s is not None
+        ]
         return min(times, default=None)
 
     def position(self, ticket: Ticket[T]) -> QueuePosition | None:
@@ -357,7 +363,9 @@ class Admission(Generic[T]):
             self._waits.append((now, waited))
             if self._last_from_queue is not None:
                 gap = now - self._last_from_queue
-                self._interval_s = gap if self._interval_s is None else self._interval_s + 0.1 * (gap - self._interval_s)
+                self._interval_s = (
+                    gap if self._interval_s is None else self._interval_s + 0.1 * (gap - self._interval_s)
+                )
             self._last_from_queue = now if self.queued > 0 else None
 
     def _refuse(self, reason: str) -> None:

@@ -52,7 +52,9 @@ class EspeakCapacity:
         """A sentence took `synth_s` for `audio_s` of audio while `streams` streams had text."""
         if first:
             self.first_piece_s = (
-                synth_s if self.first_piece_s is None else self.first_piece_s + 0.2 * (synth_s - self.first_piece_s)
+                synth_s
+                if self.first_piece_s is None
+                else self.first_piece_s + 0.2 * (synth_s - self.first_piece_s)
             )
         self._synth_s += synth_s
         self._audio_s += audio_s

@@ -192,7 +192,9 @@ class EspeakEngine:
             raise InvalidRequest("speed must be within 0.25..4")
         stream = EspeakStream(self, request, variant, language)
         with self._cond:
-            stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
+            stream.ticket = self.admission.arrive(
+                stream, request.priority, request.max_wait_s
+            )  # or Overloaded
             if stream.ticket.admitted_at is not None:
                 self._active.add(stream)
             else:

@@ -645,7 +645,9 @@ class Scheduler:
             self.admission.leave(r.ticket)
             r.ticket = None
             self._promote()
-        return RequestOutput(r.request_id, finished=True, status=status, error=r.error, retry_after_s=r.retry_after_s)
+        return RequestOutput(
+            r.request_id, finished=True, status=status, error=r.error, retry_after_s=r.retry_after_s
+        )
 
     def _snap(self, frames: int) -> int:
         """The largest codec bucket of at most `frames` frames (0: none); the buckets are sorted."""

@@ -102,7 +102,9 @@ def test_fifo_within_priority_interactive_first() -> None:
 
 def test_a_new_arrival_never_jumps_a_queue_of_its_own_priority() -> None:
     room = [0]
-    adm: Admission[str] = Admission(max_streams=10, queue_limit=10, capacity=lambda: 10, starts=lambda: room[0])
+    adm: Admission[str] = Admission(
+        max_streams=10, queue_limit=10, capacity=lambda: 10, starts=lambda: room[0]
+    )
     first = adm.arrive("first")
     assert first.queued
     room[0] = 5

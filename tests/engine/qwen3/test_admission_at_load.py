@@ -78,5 +78,7 @@ def test_twice_the_capacity_keeps_admitted_streams_real_time(runs: dict[int, dic
 
 def test_decode_batches_past_512_rows_run(costs: Costs) -> None:
     """The batch follows the KV budget: 768 rows a step plan and finish like 512 (H200 costs)."""
-    result = Simulation(args(seconds=3.0, warmup=1.0, slots=768, set=["initial_streams=768"]), 768, load_costs(None, None)).run()
+    result = Simulation(
+        args(seconds=3.0, warmup=1.0, slots=768, set=["initial_streams=768"]), 768, load_costs(None, None)
+    ).run()
     assert result["requests"] > 0 and result["rows_per_step"] > 512

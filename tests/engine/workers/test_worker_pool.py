@@ -29,7 +29,6 @@ from engine.api import (
     listen,
     pcm16,
 )
-from engine.bridge import LoopChunkChannel
 from engine.workers import (
     WorkerPoolEngine,
     WorkerSpec,
