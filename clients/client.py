@@ -38,6 +38,16 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """The server is at capacity: the utterance waits for admission, its audio comes later."""
+
+    utterance_id: str
+    position: int  # 1: admitted next
+    expected_wait_ms: int
+    received_at: float  # time.perf_counter() on arrival
+
+
+@dataclass(frozen=True, slots=True)
 class Packet:
     utterance_id: str
     stream: int
@@ -61,6 +71,7 @@ class Done:
     utterance_id: str
     duration_ms: int
     packets: int
+    queued_ms: int = 0  # how long it waited for admission in the server's queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +90,10 @@ class Error:
     code: str
     message: str
     utterance_id: str | None = None
+    retry_after_ms: int | None = None  # overloaded: when a retry may be admitted
 
 
-Event = Started | Packet | Words | Done | Interrupted | Error
+Event = Started | Queued | Packet | Words | Done | Interrupted | Error
 _TERMINAL = (Done, Interrupted, Error)
 
 
@@ -108,11 +120,13 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
     uid = str(raw.get("utterance_id", ""))
     if kind == "utterance.started":
         return Started(uid, int(raw["stream"]))
+    if kind == "utterance.queued":
+        return Queued(uid, int(raw["position"]), int(raw["expected_wait_ms"]), time.perf_counter())
     if kind == "words":
         words = tuple(w for w in (_word(item) for item in raw.get("words", ())) if w is not None)
         return Words(uid, str(raw.get("source", "")), words)
     if kind == "utterance.done":
-        return Done(uid, int(raw["duration_ms"]), int(raw["packets"]))
+        return Done(uid, int(raw["duration_ms"]), int(raw["packets"]), int(raw.get("queued_ms", 0)))
     if kind == "utterance.interrupted":
         return Interrupted(
             uid,
@@ -124,7 +138,13 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
             str(raw.get("unspoken_text", "")),
         )
     if kind == "error":
-        return Error(str(raw.get("code", "")), str(raw.get("message", "")), raw.get("utterance_id"))
+        retry = raw.get("retry_after_ms")
+        return Error(
+            str(raw.get("code", "")),
+            str(raw.get("message", "")),
+            raw.get("utterance_id"),
+            int(retry) if isinstance(retry, int | float) and not isinstance(retry, bool) else None,
+        )
     return None
 
 

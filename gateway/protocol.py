@@ -20,10 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.api import AudioChunk, EngineInfo, SynthesisRequest, TextSegment
+from engine.api import AudioChunk, EngineInfo, QueuePosition, SynthesisRequest, TextSegment
 from gateway.bargein import Cut, Report, cut_at, played_position, resume_offset
 from gateway.config import GatewayConfig
-from gateway.errors import CLOSE_GOING_AWAY, CLOSE_NORMAL, CLOSE_TOO_BIG, error_code, public_message
+from gateway.errors import (
+    CLOSE_GOING_AWAY,
+    CLOSE_NORMAL,
+    CLOSE_TOO_BIG,
+    error_code,
+    public_message,
+    retry_after_s,
+)
 from gateway.languages import languages_open_at, normalise_language
 from gateway.messages import (
     Alignment,
@@ -42,6 +49,7 @@ from gateway.messages import (
     SpeakFlush,
     SpeakResume,
     Timestamps,
+    UtteranceQueued,
     UtteranceStarted,
     Word,
     decode,
@@ -272,7 +280,8 @@ class SessionProtocol:
         raise ProtocolError("unknown_type", f"unhandled message {message.type}")
 
     # -- engine feedback ----------------------------------------------------------------------
-    def open_succeeded(self, utterance_id: str) -> list[Action]:
+    def open_succeeded(self, utterance_id: str, queued: QueuePosition | None = None) -> list[Action]:
+        """The engine took the utterance; `queued`: it waits for admission there first."""
         utt = self._active.get(utterance_id)
         if utt is None:
             return []
@@ -285,7 +294,15 @@ class SessionProtocol:
         if utt.resumed_from is not None:
             started["resumed_from"] = utt.resumed_from
             started["text_offset"] = utt.text_offset
-        return [SendControl(started)]
+        if queued is None:
+            return [SendControl(started)]
+        waiting: UtteranceQueued = {
+            "type": "utterance.queued",
+            "utterance_id": utterance_id,
+            "position": queued.position,
+            "expected_wait_ms": round(1000 * queued.expected_wait_s),
+        }
+        return [SendControl(started), SendControl(waiting)]
 
     def open_failed(self, utterance_id: str, exc: BaseException) -> list[Action]:
         """The engine refused the utterance: forget it (the id may be used again)."""
@@ -294,7 +311,7 @@ class SessionProtocol:
             self._streams.pop(utt.stream, None)
             self._release_quota(utt)
         return [
-            self._error(error_code(exc), public_message(exc), utterance_id),
+            self._error(error_code(exc), public_message(exc), utterance_id, retry_after_s(exc)),
             *self._maybe_finish_session(),
         ]
 
@@ -352,7 +369,7 @@ class SessionProtocol:
         self._retire(utt)
         return [
             Purge(utt.stream),
-            self._error(error_code(exc), public_message(exc), utterance_id),
+            self._error(error_code(exc), public_message(exc), utterance_id, retry_after_s(exc)),
             *self._maybe_finish_session(),
         ]
 
@@ -455,7 +472,7 @@ class SessionProtocol:
                 raise ProtocolError("utterance_closed", f"utterance {uid!r} has ended", uid)
             self._check_can_open(uid, len(message.text), self.voice)
             self._take_quota(uid, len(message.text), now)
-            utt = self._new_utterance(uid, forced_frames=message.forced_frames)
+            utt = self._new_utterance(uid, forced_frames=message.forced_frames, max_wait_ms=message.max_wait_ms)
             utt.quota_held = self.quotas is not None
             out.append(OpenStream(uid, utt.request))
         elif utt.status is not Status.OPEN:
@@ -620,6 +637,7 @@ class SessionProtocol:
         request: SynthesisRequest | None = None,
         open_languages: tuple[str, ...] = (),
         forced_frames: int | None = None,
+        max_wait_ms: int | None = None,
     ) -> Utterance:
         stream = self._allocate_stream()
         if request is None:
@@ -629,6 +647,7 @@ class SessionProtocol:
                 language=normalise_language(self.language),
                 instructions=self.instructions,
                 forced_frames=forced_frames,
+                max_wait_s=None if max_wait_ms is None else max_wait_ms / 1000,
             )
         else:
             request = SynthesisRequest(
@@ -636,6 +655,7 @@ class SessionProtocol:
                 voice=request.voice,
                 language=request.language,
                 instructions=request.instructions,
+                max_wait_s=request.max_wait_s,
             )
         utt = Utterance(
             utterance_id=uid,
@@ -709,10 +729,14 @@ class SessionProtocol:
         self.closed = True
         return [Close(code, reason)]
 
-    def _error(self, code: ErrorCode, message: str, utterance_id: str | None = None) -> SendControl:
+    def _error(
+        self, code: ErrorCode, message: str, utterance_id: str | None = None, retry_after: float | None = None
+    ) -> SendControl:
         error: ErrorMessage = {"type": "error", "code": code, "message": message}
         if utterance_id is not None and _is_utf8(utterance_id):  # a lone surrogate cannot go on the wire
             error["utterance_id"] = utterance_id
+        if retry_after is not None:
+            error["retry_after_ms"] = round(1000 * retry_after)
         return SendControl(error)
 
 

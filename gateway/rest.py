@@ -65,6 +65,7 @@ class SpeechRequest:
     # a one-off voice clone: the reference clip (mono samples, rate) and its transcript
     ref_audio: tuple[npt.NDArray[np.float32], int] | None = None
     ref_text: str | None = None
+    max_wait_ms: int | None = None  # the longest it may wait in the engine's queue for admission
 
 
 def error_response(
@@ -111,6 +112,11 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
     if not isinstance(timestamps, bool):
         raise BadRequest("invalid_message", "`timestamps` must be true or false")
     response_format: ResponseFormat = "wav" if fmt == "wav" else "pcm" if fmt == "pcm" else "flac"
+    max_wait_ms = body.get("max_wait_ms")
+    if max_wait_ms is not None and (
+        isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, int) or not 0 <= max_wait_ms <= 2**31
+    ):
+        raise BadRequest("invalid_message", "`max_wait_ms` must be a whole number of milliseconds")
     ref_audio = _reference_clip(body.get("ref_audio"))
     return SpeechRequest(
         input=text,
@@ -123,6 +129,7 @@ def parse_speech_request(body: object, config: GatewayConfig) -> SpeechRequest:
         timestamps=timestamps,
         ref_audio=ref_audio,
         ref_text=_optional_text(body, "ref_text"),
+        max_wait_ms=max_wait_ms,
     )
 
 
@@ -268,6 +275,7 @@ def make_speech_endpoint(
                     speed=req.speed,
                     ref_audio=req.ref_audio,
                     ref_text=req.ref_text,
+                    max_wait_s=None if req.max_wait_ms is None else req.max_wait_ms / 1000,
                 )
             )
         except EngineError as exc:
@@ -309,6 +317,9 @@ def make_speech_endpoint(
         try:
             pcm = b"".join([piece async for piece, _ in synthesis.pieces()])
         except EngineError as exc:
+            wait = retry_after_s(exc)  # still queued when its max wait passed: refused
+            if wait is not None:
+                return fail(429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))})
             return fail(500, error_code(exc), public_message(exc))
         buffer = io.BytesIO()
         audio = np.frombuffer(pcm, dtype="<i2")
