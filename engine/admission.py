@@ -196,7 +196,8 @@ class Admission(Generic[T]):
         self.admitted: set[Ticket[T]] = set()
         self._queues: dict[Priority, deque[Ticket[T]]] = {p: deque() for p in Priority}
         self._counts = _Counts()
-        self._lifetime_s = lifetime_s  # running mean of an admitted stream's life (the wait's fallback)
+        self._lifetime_prior_s = lifetime_s  # an admitted stream's life, before one is measured
+        self._lifetime_s: float | None = None  # running mean of an admitted stream's life
         self._interval_s: float | None = None  # running mean between two admissions from the queue
         self._last_from_queue: float | None = None
         self._waits: deque[tuple[float, float]] = deque()  # (admitted at, waited) over the window
@@ -259,7 +260,8 @@ class Admission(Generic[T]):
             self.admitted.discard(ticket)
             assert ticket.admitted_at is not None
             life = self.clock() - ticket.admitted_at
-            self._lifetime_s += 0.1 * (life - self._lifetime_s)
+            mean = self._lifetime_s
+            self._lifetime_s = life if mean is None else mean + 0.1 * (life - mean)
         else:
             queue = self._queues[ticket.priority]
             if ticket in queue:
@@ -288,7 +290,7 @@ class Admission(Generic[T]):
         out: list[Ticket[T]] = []
         for queue in self._queues.values():
             for ticket in [
-                t for t in queue if t.max_wait_s is not None and now - t.arrived_at >= t.max_wait_s
+                t for t in queue if t.max_wait_s is not None and now >= t.arrived_at + t.max_wait_s
             ]:
                 queue.remove(ticket)
                 ticket.done = True
@@ -302,6 +304,11 @@ class Admission(Generic[T]):
             "engine at capacity: still queued when max_wait_ms passed",
             retry_after_s=max(self.retry_floor_s, self._expected_wait(position)),
         )
+
+    def until_expiry(self) -> float | None:
+        """Seconds until `next_expiry` (0 when it has passed), or None."""
+        at = self.next_expiry()
+        return None if at is None else max(0.0, at - self.clock())
 
     def next_expiry(self) -> float | None:
         """When the first queued request's max wait passes (clock time), or None."""
@@ -381,7 +388,8 @@ class Admission(Generic[T]):
         (an admitted stream's mean life over the capacity)."""
         interval = self._interval_s
         if interval is None:
-            interval = self._lifetime_s / self.capacity()
+            life = self._lifetime_prior_s if self._lifetime_s is None else self._lifetime_s
+            interval = life / self.capacity()
         return position * interval
 
 

@@ -745,6 +745,13 @@ class WorkerPoolEngine:
         for ticket in self.admission.expire():
             ticket.item.channel.fail(self.admission.expired_error(ticket))
             self._forget(ticket.item.rid)
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._loop is not None:
+            self._loop.call_later(wait + 0.001, self._expire)
 
     def open(self, request: SynthesisRequest) -> WorkerStream:
         voice = request.voice
@@ -756,8 +763,8 @@ class WorkerPoolEngine:
         stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
         self._streams[stream.rid] = stream
         if stream.ticket.admitted_at is None:
-            if request.max_wait_s is not None and self._loop is not None:
-                self._loop.call_later(request.max_wait_s, self._expire)
+            if request.max_wait_s is not None:
+                self._arm_expiry()
             return stream
         self._dispatch(stream)
         if stream.worker is None:  # no worker took it: refused as the engine is

@@ -245,8 +245,8 @@ class EspeakEngine:
             ticket.item.abort(self.admission.expired_error(ticket))
 
     def _until_expiry(self) -> float | None:
-        at = self.admission.next_expiry()
-        return None if at is None else max(0.001, at - self.admission.clock())
+        wait = self.admission.until_expiry()
+        return None if wait is None else wait + 0.001
 
     # -- scheduling (called with self._cond held) ------------------------------------------------
     def _schedule(self, stream: EspeakStream) -> None:

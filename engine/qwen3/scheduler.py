@@ -250,8 +250,7 @@ class Scheduler:
 
     def until_expiry(self) -> float | None:
         """Seconds until a queued request's max wait passes (None: none waits with one)."""
-        at = self.admission.next_expiry()
-        return None if at is None else max(0.0, at - self.clock())
+        return self.admission.until_expiry()
 
     def _promote(self) -> None:
         """Admit the queued requests the measured cost has room for now."""

@@ -471,7 +471,7 @@ class VllmOmniEngine:
         if stream.ticket.admitted_at is not None:
             stream.start()
         elif request.max_wait_s is not None:
-            asyncio.get_running_loop().call_later(request.max_wait_s, self._expire)
+            self._arm_expiry()
         return stream
 
     async def register_voice(
@@ -638,6 +638,13 @@ class VllmOmniEngine:
     def _expire(self) -> None:
         for ticket in self.admission.expire():
             ticket.item.abort(self.admission.expired_error(ticket))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._running:
+            asyncio.get_running_loop().call_later(wait + 0.001, self._expire)
 
 
 def _voice_names(data: Any) -> tuple[str, ...]:
