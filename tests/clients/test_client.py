@@ -287,3 +287,73 @@ def test_the_gateways_collector_pauses_are_read_from_its_metrics() -> None:
         "gateway_gc_pauses_gen2": 1.0,
         "gateway_gc_pause_s_gen2": 0.25,
     }
+
+
+def test_queued_done_and_overloaded_events_carry_the_admission_figures() -> None:
+    from clients.client import Done, Error, Queued, decode_event
+
+    queued = decode_event(
+        {"type": "utterance.queued", "utterance_id": "u1", "position": 2, "expected_wait_ms": 900}
+    )
+    assert isinstance(queued, Queued) and (queued.position, queued.expected_wait_ms) == (2, 900)
+    done = decode_event(
+        {"type": "utterance.done", "utterance_id": "u1", "duration_ms": 10, "packets": 1, "queued_ms": 850}
+    )
+    assert done == Done("u1", 10, 1, 850)
+    plain = decode_event({"type": "utterance.done", "utterance_id": "u2", "duration_ms": 10, "packets": 1})
+    assert isinstance(plain, Done) and plain.queued_ms == 0
+    refused = decode_event({"type": "error", "code": "overloaded", "message": "m", "retry_after_ms": 1200})
+    assert refused == Error("overloaded", "m", None, 1200)
+    assert decode_event({"type": "error", "code": "internal", "message": "m"}) == Error("internal", "m")
+
+
+def test_admission_figures_are_in_the_gateways_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from engine.admission import QUEUE_WAIT_BOUNDS_S
+    from engine.api import AdmissionFigures, EngineLoad
+    from gateway.metrics import GatewayMetrics, admission_summary
+
+    counts = tuple(min(3, i) for i in range(len(QUEUE_WAIT_BOUNDS_S) + 1))
+    figures = AdmissionFigures(
+        capacity=5,
+        max_streams=8,
+        admitted=5,
+        queued=2,
+        queue_limit=4,
+        admitted_total=40,
+        queued_total=3,
+        refused={"queue_full": 7, "max_wait": 1, "wait_expired": 0},
+        wait_bounds_s=QUEUE_WAIT_BOUNDS_S,
+        wait_counts=counts,
+        wait_sum_s=1.5,
+        wait_p50_s=0.25,
+        wait_p90_s=0.8,
+    )
+    metrics = GatewayMetrics()
+    assert "cadence_engine_refusals" not in generate_latest(metrics.registry).decode()  # none observed yet
+    metrics.observe_engine(EngineLoad(active=5, queued=2, capacity=5, queue_limit=4, admission=figures))
+    lines = set(generate_latest(metrics.registry).decode().splitlines())
+    for line in (
+        "cadence_engine_capacity 5.0",
+        "cadence_engine_max_streams 8.0",
+        "cadence_engine_queue_depth 2.0",
+        "cadence_engine_queue_limit 4.0",
+        "cadence_engine_admitted_total 40.0",
+        "cadence_engine_queued_total 3.0",
+        'cadence_engine_refusals_total{reason="queue_full"} 7.0',
+        'cadence_engine_refusals_total{reason="max_wait"} 1.0',
+        'cadence_engine_refusals_total{reason="wait_expired"} 0.0',
+        'cadence_engine_queue_wait_seconds_bucket{le="0.025"} 1.0',
+        'cadence_engine_queue_wait_seconds_bucket{le="+Inf"} 3.0',
+        "cadence_engine_queue_wait_seconds_count 3.0",
+        "cadence_engine_queue_wait_seconds_sum 1.5",
+    ):
+        assert line in lines, line
+    summary = admission_summary(figures)
+    assert (
+        summary is not None
+        and summary["queue_wait_p90_ms"] == 800.0
+        and summary["refused"]["queue_full"] == 7
+    )
+    assert admission_summary(None) is None
