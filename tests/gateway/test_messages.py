@@ -188,5 +188,8 @@ def test_max_wait_ms_on_the_first_append() -> None:
     )
     for bad in ('"soon"', "-5", "true"):
         with pytest.raises(ProtocolError) as refused:
-            decode('{"type":"speak.append","utterance_id":"u","text":"hi","max_wait_ms":%s}' % bad)
+            decode(
+                json.dumps({"type": "speak.append", "utterance_id": "u", "text": "hi"})[:-1]
+                + f',"max_wait_ms":{bad}}}'
+            )
         assert refused.value.code == "invalid_message"
