@@ -19,7 +19,14 @@ from clients.client import (
     decode_event,
     decode_packet,
 )
-from clients.loadtest_report import RequestRecord, headline, percentile, summarize, usd_per_m_chars
+from clients.loadtest_report import (
+    RequestRecord,
+    goodput_of_peak,
+    headline,
+    percentile,
+    summarize,
+    usd_per_m_chars,
+)
 
 RATE = 24_000
 PACKET = 480  # 20 ms
@@ -144,7 +151,7 @@ def test_point_figures_follow_the_definitions() -> None:
         RequestRecord(0, 100, 0.0, 4.0, None, None, 0, error="overloaded"),
     ]
     point = summarize(8, records, window=(1.0, 5.0))
-    assert point["requests"] == 3 and point["errors"] == 1
+    assert point["requests"] == 3 and point["errors"] == 0 and point["refused"] == 1
     assert point["ttfa_p50_ms"] == 200.0
     assert point["rtf_p50"] == 0.5 and point["rtf_p90"] == pytest.approx(0.9)
     assert point["underrun_streams_pct"] == pytest.approx(33.33, abs=0.01)
@@ -357,3 +364,32 @@ def test_admission_figures_are_in_the_gateways_metrics() -> None:
         and summary["refused"]["queue_full"] == 7
     )
     assert admission_summary(None) is None
+
+
+def test_a_queued_request_counts_from_its_admission_and_its_wait_apart() -> None:
+    at_once = record(ended=1.0, ttfa=0.10, duration=1.0, audio_s=2.0)
+    waited = RequestRecord(
+        0, 100, 2.0, 2.0, 2.0 + 3.05, 2.0 + 4.0, 0, queued=True, queued_s=3.0, answered_at=2.004
+    )
+    refused = RequestRecord(0, 100, 0.0, 2.5, None, None, 0, "overloaded", answered_at=2.51, retry_after_s=4.0)
+    failed = RequestRecord(0, 100, 0.0, 2.6, None, None, 0, "internal")
+    assert waited.ttfa_ms == pytest.approx(50.0) and waited.rtf == pytest.approx(0.5)
+    point = summarize(8, [at_once, waited, refused, failed], window=(1.0, 10.0))
+    assert (point["admitted"], point["queued"], point["refused"], point["errors"]) == (1, 1, 1, 1)
+    assert point["queue_wait_p50_ms"] == 3000.0 and point["ttfa_p90_ms"] == pytest.approx(95.0)
+    assert point["excess_answer_ms_p90"] == pytest.approx(9.4)  # 4 and 10 ms, interpolated
+    points = [dict(point), {**point, "audio_s_per_s": 2 * point["audio_s_per_s"]}]
+    goodput_of_peak(points)
+    assert [p["goodput_pct_of_peak"] for p in points] == [50.0, 100.0]
+
+
+def test_levels_may_follow_the_servers_capacity() -> None:
+    from clients.loadtest import resolve_level
+
+    assert resolve_level("256", None) == 256
+    assert resolve_level("capacity", 700) == 700 and resolve_level("1.5x", 700) == 1050
+    assert resolve_level(" 2x", 64) == 128
+    with pytest.raises(SystemExit):
+        resolve_level("2x", None)
+    with pytest.raises(ValueError):
+        resolve_level("lots", 64)
