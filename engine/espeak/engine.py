@@ -1,11 +1,14 @@
 """eSpeak NG as a Cadence engine: zero-download, multilingual, far faster than real time, native
 word times.
 
-One worker thread owns the (process-global) eSpeak library and serves every stream round-robin,
-one sentence per turn, interactive requests first and new requests' first sentences (in the order
-they came) before the next sentences of running ones; the event loop never blocks on it. Streams
-are admitted by the cost the worker measures (engine.espeak.capacity): beyond what it keeps in real
-time they wait in a bounded queue, or are refused. A sentence's
+One worker thread owns the (process-global) eSpeak library and serves the streams one sentence
+per turn, interactive requests first, then the earliest deadline: a new request's is its first
+audio's target, a running one's the moment its listener would run dry (its first audio plus the
+audio made since). A stream far ahead of its listener waits for one about to run dry, and a new
+request's first sentence goes before the next sentences of streams with audio in hand; the event
+loop never blocks on the worker. Streams are admitted by the cost the worker measures
+(engine.espeak.capacity): beyond what it keeps in real time they wait in a bounded queue, or are
+refused. A sentence's
 PCM is streamed as eSpeak produces it (~100 ms chunks), resampled 22 050 -> 24 000 Hz, and handed
 to the event loop through a ChunkChannel. WORD events become WordTimings on the 24 kHz utterance
 timeline, with character offsets into the client's text; audio is held back only up to the start
@@ -16,6 +19,8 @@ sentence in progress at its next ~100 ms chunk.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import threading
 import time
 from collections import deque
@@ -127,8 +132,10 @@ class EspeakEngine:
         )
         self._lib: Espeak | None = None
         self._cond = threading.Condition()
-        self._first: dict[Priority, deque[EspeakStream]] = {p: deque() for p in Priority}
-        self._ready: dict[Priority, deque[EspeakStream]] = {p: deque() for p in Priority}
+        # streams with a sentence to synthesise: (priority, deadline, order, stream), a heap
+        self._ready: list[tuple[int, float, int, EspeakStream]] = []
+        self._order = itertools.count()
+        self._first_waiting = 0  # of them, streams whose first sentence it is
         self._active: set[EspeakStream] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -165,9 +172,8 @@ class EspeakEngine:
             for ticket in [*self.admission.admitted, *self.admission.queued_tickets()]:
                 self.admission.leave(ticket)
             self._active.clear()
-            for queues in (self._first, self._ready):
-                for queue in queues.values():
-                    queue.clear()
+            self._ready.clear()
+            self._first_waiting = 0
 
     def load(self) -> EngineLoad:
         with self._cond:
@@ -232,7 +238,7 @@ class EspeakEngine:
         return self.cost.capacity(self.admission.max_streams)
 
     def _starts(self) -> int:
-        return self.cost.starts(sum(len(q) for q in self._first.values()))
+        return self.cost.starts(self._first_waiting)
 
     def _promote(self) -> None:
         """Admit the queued streams the measured cost has room for now."""
@@ -252,10 +258,15 @@ class EspeakEngine:
     def _schedule(self, stream: EspeakStream) -> None:
         if stream in self._active and not stream.scheduled and stream.has_work():
             stream.scheduled = True
-            # first audio first: a new request waits for the sentence in progress and the first
-            # sentences that came before it, never for the running streams' next ones
-            queues = self._first if stream.samples_out == 0 else self._ready
-            queues[stream.request.priority].append(stream)
+            if stream.samples_out == 0:
+                self._first_waiting += 1
+            entry = (
+                int(stream.request.priority),
+                stream.deadline(self.cost.ttfa_target_s),
+                next(self._order),
+                stream,
+            )
+            heapq.heappush(self._ready, entry)
             self._cond.notify()
 
     def _retire(self, stream: EspeakStream) -> None:
@@ -269,16 +280,16 @@ class EspeakEngine:
             self.admission.leave(ticket)  # cancelled while queued
 
     def _next_ready(self) -> EspeakStream | None:
-        for priority in Priority:
-            if self._first[priority]:
-                return self._first[priority].popleft()
-            if self._ready[priority]:
-                return self._ready[priority].popleft()
-        return None
+        if not self._ready:
+            return None
+        stream = heapq.heappop(self._ready)[3]
+        if stream.samples_out == 0:
+            self._first_waiting -= 1
+        return stream
 
     def _generating(self) -> int:
         """Streams with a sentence to synthesise, the one about to be served included."""
-        return 1 + sum(len(q) for q in self._first.values()) + sum(len(q) for q in self._ready.values())
+        return 1 + len(self._ready)
 
     # -- the worker thread ------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -364,6 +375,7 @@ class EspeakStream:
         self.channel = ChunkChannel()
         self.ticket: Ticket[EspeakStream] | None = None  # its admission (set by the engine's open)
         self.samples_out = 0  # utterance samples sent so far (worker thread)
+        self.first_audio_at: float | None = None  # monotonic time of its first samples
         self.scheduled = False  # in the ready queue or being served (under the engine's lock)
         self.stopped = False  # cancelled, failed, finished or at its length limit
         self._engine = engine
@@ -422,7 +434,17 @@ class EspeakStream:
     def reached_limit(self) -> bool:
         return self.limit_samples is not None and self.samples_out >= self.limit_samples
 
+    def deadline(self, ttfa_target_s: float) -> float:
+        """When it needs more audio (monotonic): its listener runs dry then, or its first audio
+        is due."""
+        if self.first_audio_at is None:
+            admitted = self.ticket.admitted_at if self.ticket is not None else None
+            return (time.monotonic() if admitted is None else admitted) + ttfa_target_s
+        return self.first_audio_at + self.samples_out / SAMPLE_RATE
+
     def emit(self, samples: npt.NDArray[np.float32], words: tuple[WordTiming, ...] = ()) -> None:
+        if len(samples) and self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
         if len(samples) or words:
             self.channel.put(AudioChunk(self.request_id, samples, self.samples_out, words))
             self.samples_out += len(samples)
