@@ -161,11 +161,17 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not passing:
         return {"concurrency": 0, "chars_per_s": 0, "usd_per_m_chars": None}
     best = max(passing, key=lambda p: p["concurrency"])
-    return {
+    out = {
         "concurrency": best["concurrency"],
         "chars_per_s": best["chars_per_s"],
         "usd_per_m_chars": best["usd_per_m_chars"],
     }
+    # past the capacity, C counts the clients offered: the engine served `capacity` of them at once
+    # and the rest waited (their TTFA and RTF count from admission)
+    for name in ("capacity", "queued", "refused"):
+        if name in best:
+            out[name] = best[name]
+    return out
 
 
 def plot(points: Sequence[dict[str, Any]], stem: Path, title: str) -> list[Path]:

@@ -47,7 +47,9 @@ class GatewayMetrics:
         self.engine_active = Gauge("cadence_engine_active", "Engine requests producing audio", registry=r)
         self.engine_queue_depth = Gauge("cadence_engine_queue_depth", "Engine requests waiting", registry=r)
         self.engine_capacity = Gauge(
-            "cadence_engine_capacity", "Streams the engine admits now (its measured cost, within its bound)", registry=r
+            "cadence_engine_capacity",
+            "Streams the engine admits now (its measured cost, within its bound)",
+            registry=r,
         )
         self.admission: AdmissionFigures | None = None  # the engine's, at the last observe_engine
         r.register(_AdmissionCollector(self))
@@ -131,10 +133,14 @@ class _AdmissionCollector(Collector):
         if figures is None:
             return
         yield GaugeMetricFamily(
-            "cadence_engine_max_streams", "The engine's upper bound on admitted streams", value=figures.max_streams
+            "cadence_engine_max_streams",
+            "The engine's upper bound on admitted streams",
+            value=figures.max_streams,
         )
         yield GaugeMetricFamily(
-            "cadence_engine_queue_limit", "Requests the engine's queue holds at most", value=figures.queue_limit
+            "cadence_engine_queue_limit",
+            "Requests the engine's queue holds at most",
+            value=figures.queue_limit,
         )
         yield CounterMetricFamily(
             "cadence_engine_admitted", "Requests the engine admitted", value=figures.admitted_total

@@ -319,7 +319,9 @@ def make_speech_endpoint(
         except EngineError as exc:
             wait = retry_after_s(exc)  # still queued when its max wait passed: refused
             if wait is not None:
-                return fail(429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))})
+                return fail(
+                    429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))}
+                )
             return fail(500, error_code(exc), public_message(exc))
         buffer = io.BytesIO()
         audio = np.frombuffer(pcm, dtype="<i2")
