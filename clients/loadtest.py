@@ -154,7 +154,9 @@ async def _stream_loop(
         if record.error == "connection_closed":
             return
         if record.refused:  # as a real client: wait what the server asked, then the same prompt again
-            await asyncio.sleep(DEFAULT_RETRY_AFTER_S if record.retry_after_s is None else record.retry_after_s)
+            await asyncio.sleep(
+                DEFAULT_RETRY_AFTER_S if record.retry_after_s is None else record.retry_after_s
+            )
             continue
         prompt = None
         if record.error is not None:

@@ -89,7 +89,9 @@ def summarize(
     refused = [r for r in measured if r.refused]
     queued = [r for r in good if r.queued]
     waits_ms = [1000.0 * r.queued_s for r in queued]
-    answers_ms = [1000.0 * (r.answered_at - r.ended_at) for r in (*queued, *refused) if r.answered_at is not None]
+    answers_ms = [
+        1000.0 * (r.answered_at - r.ended_at) for r in (*queued, *refused) if r.answered_at is not None
+    ]
     completed = [
         r for r in records if r.ok and r.last_packet_at is not None and start <= r.last_packet_at <= end
     ]
