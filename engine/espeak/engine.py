@@ -38,7 +38,6 @@ from engine.api import (
     EngineInfo,
     EngineLoad,
     InvalidRequest,
-    Priority,
     QueuePosition,
     SynthesisRequest,
     TextSegment,

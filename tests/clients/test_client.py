@@ -371,7 +371,9 @@ def test_a_queued_request_counts_from_its_admission_and_its_wait_apart() -> None
     waited = RequestRecord(
         0, 100, 2.0, 2.0, 2.0 + 3.05, 2.0 + 4.0, 0, queued=True, queued_s=3.0, answered_at=2.004
     )
-    refused = RequestRecord(0, 100, 0.0, 2.5, None, None, 0, "overloaded", answered_at=2.51, retry_after_s=4.0)
+    refused = RequestRecord(
+        0, 100, 0.0, 2.5, None, None, 0, "overloaded", answered_at=2.51, retry_after_s=4.0
+    )
     failed = RequestRecord(0, 100, 0.0, 2.6, None, None, 0, "internal")
     assert waited.ttfa_ms == pytest.approx(50.0) and waited.rtf == pytest.approx(0.5)
     point = summarize(8, [at_once, waited, refused, failed], window=(1.0, 10.0))
