@@ -256,6 +256,7 @@ class Scheduler:
         """Admit the queued requests the measured cost has room for now."""
         for ticket in self.admission.admit_waiting():
             r = ticket.item
+            r.arrival_time = self.clock()  # its first-audio deadline and TTFA count from admission
             if r.status == RequestStatus.WAITING and r.current is not None:
                 self.waiting.append(r)
                 self._awaiting_first.add(r.request_id)
