@@ -9,7 +9,9 @@
 
 Text may also be streamed: `session.append(uid, text)` ... `session.end(uid)` while iterating
 `session.events(uid)`. Barge-in: `session.interrupt(uid, played_ms=...)`; the iteration ends with
-an `Interrupted` event (the server's fence). `PlaybackClock` tracks what a listener has heard.
+an `Interrupted` event (the server's fence). A server at capacity answers `Queued` (position and
+expected wait; the audio follows once admitted) or an `Error` `overloaded` with `retry_after_ms`.
+`PlaybackClock` tracks what a listener has heard.
 """
 
 from __future__ import annotations

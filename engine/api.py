@@ -14,6 +14,12 @@ Life of a request:
     stream.cancel()                                 # any time, from the event loop; effective at the
                                                     # engine's next step; iteration then ends
 
+An engine admits a request while its measured cost keeps the admitted streams in real time
+(engine.admission); beyond that `open` still returns a stream, which waits for admission in the
+engine's queue (`queue_position(stream)` says where) and produces audio once admitted, or `open`
+raises Overloaded (queue full, or the request's `max_wait_s` would pass; a stream still queued
+when it passes fails with Overloaded).
+
 Text arrives as segments (the gateway cuts the client's text at sentence and clause boundaries);
 each segment says where its first character sits in the utterance's text as the client sent it, so
 that word timings can point back into that text (`char_start` / `char_end`).
