@@ -7,6 +7,7 @@
 #              DEVICE (cuda), OUTDIR ($OUT or ./bench-out), SKIP_REF (set: keep an earlier
 #              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
 #              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process),
+#              MAX_STREAMS (auto: the KV budget's slots, admission by measured cost within them; e.g. CONC=1,256,512,capacity,1.5x,2x sweeps to twice the capacity),
 #              PORT (8765), TAG (output names: bench-TAG.json; the size by default), PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load)
 set -u
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ PY="${PYTHON:-python3}"; CKPT="${CKPT:-.cache/cadence-random-$SIZE}"; PORT="${PO
 tag="${TAG:-$(echo "$SIZE" | tr 'A-Z' 'a-z')}"  # names the output files
 
 [ -f "$CKPT/config.json" ] || $PY bench/random_checkpoint.py --size "$SIZE" --out "$CKPT" --device "$DEVICE"
-$PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams 640 ${SERVE_ARGS:-} \
+$PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port $PORT --max-streams "${MAX_STREAMS:-auto}" ${SERVE_ARGS:-} \
   > "$OUTDIR/serve-$tag.log" 2>&1 &
 server=$!
 $PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; kill -9 $server 2>/dev/null; exit 1; }

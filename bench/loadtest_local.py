@@ -18,10 +18,16 @@ from clients.loadtest import bench_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("espeak", "null"), default="espeak")
-    parser.add_argument("--max-streams", type=int, default=1024, help="the engine's admission limit")
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=None,
+        help="the engine's upper bound on admitted streams (default: the engine's own, auto)",
+    )
     args, rest = parser.parse_known_args(argv)
     command = shlex.join(["python", "-m", "bench.loadtest_local", *(sys.argv[1:] if argv is None else argv)])
-    with gateway_process(args.engine, max_streams=args.max_streams) as url:
+    options = {} if args.max_streams is None else {"max_streams": args.max_streams}
+    with gateway_process(args.engine, **options) as url:
         return bench_main(["--url", url, *rest], command=command)
 
 

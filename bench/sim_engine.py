@@ -39,6 +39,14 @@ on a GPU; TTFA and RTF count from the send. `--schedule` sets the requests' chun
 `--explain` prints which delivery came late at each stream's first underrun and the engine's lead
 per delivery. `--seed` varies arrivals, lengths, jitter and stalls.
 
+Admission: the scheduler admits by the step cost it measures (engine.qwen3.capacity), so the
+simulated engine finds its own capacity. `--slots` sets its upper bound (talker slots, Code2Wav
+rows, the decode batch: what the KV budget holds; default the level) and `--queue-limit` the
+requests waiting beyond it; offer more streams than it keeps in real time and the excess waits
+in the queue, or is refused and comes back after its Retry-After, as a client would. TTFA and RTF
+count from a request's admission (its send when it was admitted at once); `queue_wait_*` is the
+time queued requests waited; `capacity` is what the measured cost admitted at the end.
+
     .venv/bin/python -m bench.sim_engine --streams 256,384,512 --seconds 30
 """
 
@@ -61,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from clients.client import PlaybackClock  # noqa: E402
 from clients.loadtest_report import EARLY_UNDERRUN_S  # noqa: E402
-from engine.api import ChunkSchedule, TextSegment  # noqa: E402
+from engine.api import ChunkSchedule, Overloaded, TextSegment  # noqa: E402
 from engine.qwen3.cuda_graphs import batch_buckets, bucket_for  # noqa: E402
 from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager  # noqa: E402
 from engine.qwen3.plan import StepOutput  # noqa: E402
@@ -196,13 +204,15 @@ def codec_launches(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class Simulation:
     def __init__(self, args: argparse.Namespace, streams: int, costs: Costs) -> None:
         self.args, self.costs, self.now, self.level = args, costs, 0.0, streams
-        layout = KVCacheLayout(num_slots=streams, max_len=512, bytes_per_token=1024)
+        slots = getattr(args, "slots", None) or streams
+        queue_limit = getattr(args, "queue_limit", None)
+        layout = KVCacheLayout(num_slots=slots, max_len=512, bytes_per_token=1024)
         config = SchedulerConfig(
-            max_batch=streams,
-            codec_slots=streams,
-            max_codec_rows=streams,
-            queue_limit=streams,
-            max_tokens_per_step=streams + 512,
+            max_batch=slots,
+            codec_slots=slots,
+            max_codec_rows=slots,
+            queue_limit=slots if queue_limit is None else queue_limit,
+            max_tokens_per_step=slots + 512,
         )
         if args.merge_below is not None:
             config.merge_codec_groups_below = args.merge_below
@@ -222,7 +232,11 @@ class Simulation:
         self.rng = random.Random(args.seed)
         rows = [json.loads(line) for line in (ROOT / "deploy/bench/corpus.jsonl").read_text().splitlines()]
         self.lengths = [int(r["frames"]) for r in rows if r.get("frames")]
-        self.players: dict[str, tuple[PlaybackClock, float, int]] = {}  # id -> (player, sent, frames)
+        # id -> (player, from: its send or its admission, frames, its admission ticket)
+        self.players: dict[str, tuple[PlaybackClock, float, int, Any]] = {}
+        self.queued = self.refused = self.offered = 0  # over the measured window
+        self.waits: list[float] = []  # queued requests' waits, admitted in the measured window
+        self.max_admitted = self.max_queued = 0  # over the whole run
         self.arrived: dict[str, float] = {}  # the last delivery's arrival per stream
         self.gateway_free = 0.0  # when the gateway has sent all the audio it was given
         self.deferred: list[tuple[str, int]] = []  # later chunks: delivered at the next step's end
@@ -258,11 +272,23 @@ class Simulation:
             Segment(text=TextSegment("x", char_start=0), prompt_len=self.args.prompt, max_frames=frames)
         )
         r.text_closed = True
-        self.sched.add_request(r)
+        measured = self.now >= self.args.warmup
+        self.offered += measured
+        try:
+            self.sched.add_request(r)
+        except Overloaded as refusal:  # the client retries after Retry-After
+            self.refused += measured
+            retry = self.now + refusal.retry_after_s
+            heapq.heappush(self.starts, (retry + self.request_s, retry))
+            return
+        ticket = r.ticket
+        if ticket is not None and ticket.queued:
+            self.queued += measured
         self.players[rid] = (
             PlaybackClock(SAMPLE_RATE, self.args.buffer_ms, clock=lambda: self.now),
             sent,
             frames,
+            ticket,
         )
 
     def step(self) -> None:
@@ -272,6 +298,9 @@ class Simulation:
             self.now = max(self.now, self.starts[0][0]) if self.starts else self.now + 0.001
             return
         plan = self.sched.schedule()
+        admission = self.sched.admission
+        self.max_admitted = max(self.max_admitted, len(admission.admitted))
+        self.max_queued = max(self.max_queued, admission.queued)
         decode_rows = len(plan.decode) + sum(1 for c in plan.prefill if c.length == 1)
         longer = sum(1 for c in plan.prefill if c.length > 1)
         ms = {
@@ -387,15 +416,19 @@ class Simulation:
         return self.stalls[i] + self.stall_s if i >= 0 and at < self.stalls[i] + self.stall_s else at
 
     def finish(self, rid: str) -> None:
-        player, sent, frames = self.players.pop(rid)
+        player, sent, frames, ticket = self.players.pop(rid)
         last = self.arrived.pop(rid, self.now)
         self.chunks.pop(rid, None)
+        waited = 0.0 if ticket is None else ticket.waited_s
+        start = sent if not waited else ticket.admitted_at  # TTFA and RTF from admission
+        if waited and ticket.admitted_at >= self.args.warmup:
+            self.waits.append(waited)
         if player.first_packet_at is not None and self.now > self.args.warmup:
             audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
             self.done.append(
                 {
-                    "ttfa": player.first_packet_at - sent,
-                    "rtf": (self.now - sent) / audio_s,
+                    "ttfa": player.first_packet_at - start,
+                    "rtf": (self.now - start) / audio_s,
                     "underrun": float(player.underruns > 0),
                     "audio_s": audio_s,
                     "first_underrun_s": player.first_underrun_s,
@@ -427,6 +460,14 @@ class Simulation:
             "underrun_in_first_s_pct": round(100 * statistics.fmean(x["early"] for x in d), 2) if d else None,
             "underrun_first_s_p50": round(_pct(firsts, 50), 2) if firsts else None,
             "audio_s_per_s": round(sum(x["audio_s"] for x in d) / window, 1),
+            "capacity": self.sched.admission.capacity(),
+            "offered": self.offered,
+            "queued": self.queued,
+            "refused": self.refused,
+            "queue_wait_p50_ms": round(1000 * _pct(self.waits, 50), 1) if self.waits else None,
+            "queue_wait_p90_ms": round(1000 * _pct(self.waits, 90), 1) if self.waits else None,
+            "max_admitted": self.max_admitted,
+            "max_queued": self.max_queued,
             "step_ms": round(self.step_ms / steps, 2),
             "rows_per_step": round(self.rows / steps, 1),
             "codec_rows_per_step": round(self.codec_rows / steps, 1),
@@ -490,7 +531,14 @@ def _pct(values: list[float], p: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--streams", default="256,384,512")
+    ap.add_argument("--streams", default="256,384,512", help="closed-loop streams offered, per level")
+    ap.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="the engine's upper bound: talker slots, Code2Wav rows, decode batch (default: the level)",
+    )
+    ap.add_argument("--queue-limit", type=int, default=None, help="requests waiting for admission at most")
     ap.add_argument("--seconds", type=float, default=30.0, help="simulated seconds measured per level")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--ramp-s", type=float, default=2.0, help="the first streams arrive over this")

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", type=Path, default=None, help="also write the 10 s samples here")
     args = parser.parse_args(argv)
     record = run_record(argv)
-    # the engine admits every session's utterance (its default, 256 + 64 queued, refuses the rest)
+    # every session's utterance is admitted or queued, never refused: the soak measures leaks, not capacity
     with gateway_process("espeak", max_streams=args.sessions, queue_limit=args.sessions) as url:
         record.update(
             asyncio.run(

@@ -39,6 +39,16 @@ def _switch(
         p.add_argument(flag, action="store_true", default=default, help=text, **kw)
 
 
+def _streams(text: str) -> int | None:
+    """`--max-streams N` or `auto` (None)."""
+    if text == "auto":
+        return None
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError("--max-streams must be a positive number or auto")
+    return count
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cadence serve",
@@ -118,10 +128,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     _option(
         p,
         "--max-streams",
-        "concurrent streams the engine admits (more queue, then overloaded)",
+        "the most streams the engine admits, within what its measured cost keeps in real time "
+        "(auto: from the GPU's memory for qwen3, from the cost measured at start for espeak)",
         env="CADENCE_MAX_STREAMS",
-        type=int,
-        default=int(_env("max_streams", "256") or 256),
+        type=_streams,
+        default=_streams(_env("max_streams", "auto") or "auto"),
+        shown="auto",
     )
     _option(
         p,

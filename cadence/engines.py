@@ -20,7 +20,10 @@ class EngineOptions:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "fp8" (bf16 + FP8 talker linears)
     eager: bool = False  # no CUDA graphs
     fused_layers: bool = True  # talker and code predictor layers through the fused kernels (CUDA bf16)
-    max_streams: int = 256  # concurrent streams the engine admits
+    # the most streams the engine admits; within it, the engine admits what its measured cost keeps
+    # in real time. None ("auto"): qwen3, the talker slots the KV budget holds; espeak, what its
+    # worker keeps in real time alone, measured at start; null, no bound
+    max_streams: int | None = None
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
@@ -92,11 +95,11 @@ def build_engine(options: EngineOptions) -> Engine:
     if options.name == "espeak":
         from engine.espeak.engine import EspeakEngine
 
-        return EspeakEngine()
+        return EspeakEngine(max_streams=options.max_streams)
     if options.name == "null":
         from engine.null import NullEngine
 
-        return NullEngine()
+        return NullEngine() if options.max_streams is None else NullEngine(max_streams=options.max_streams)
     if options.name == "vllm-omni":
         if not options.upstream:
             raise SystemExit(
@@ -108,7 +111,9 @@ def build_engine(options: EngineOptions) -> Engine:
             VllmOmniConfig(
                 upstream=options.upstream,
                 max_streams=options.upstream_streams,
-                queue_limit=max(0, options.max_streams - options.upstream_streams),
+                queue_limit=64
+                if options.max_streams is None
+                else max(0, options.max_streams - options.upstream_streams),
                 word_timestamps=options.upstream_word_timestamps,
             )
         )
@@ -140,17 +145,14 @@ def build_qwen3(options: EngineOptions) -> Engine:
         if reason:
             raise SystemExit(f"--dtype fp8: {reason}")
         dtype_name = "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
-    batch = min(512, options.max_streams)
     if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
         kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
     else:
         kv_budget = 2 << 30
+    # the batch, its Code2Wav rows and the step's token budget follow the talker slots the KV budget
+    # holds (SchedulerConfig.sized), and so do the streams with --max-streams auto
     scheduler = SchedulerConfig(
-        codec_slots=options.max_streams,
-        max_batch=batch,
-        max_codec_rows=batch,
-        # every decoding row takes one token of a step's budget: leave room for new prompts beside them
-        max_tokens_per_step=batch + 512,
+        codec_slots=options.max_streams or 0, max_batch=0, max_codec_rows=0, max_tokens_per_step=0
     ).override(options.scheduler)
     config = Qwen3EngineConfig(
         scheduler=scheduler,

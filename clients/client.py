@@ -13,7 +13,9 @@ an `Interrupted` event (the server's fence). A false interruption: `session.paus
 played_ms=...)` fences the stream the same way but keeps the rest (a `Paused` event), and
 `session.unpause(uid)` goes on from the first sample after the fence (`Unpaused`, then its
 packets); a pause left longer than the session's `pause_timeout_ms` ends as `Interrupted`.
-`PlaybackClock` tracks what a listener has heard (and can pause with it).
+A server at capacity answers `Queued` (position and expected wait; the audio follows once admitted)
+or an `Error` `overloaded` with `retry_after_ms`. `PlaybackClock` tracks what a listener has heard
+(and can pause with it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """The server is at capacity: the utterance waits for admission, its audio comes later."""
+
+    utterance_id: str
+    position: int  # 1: admitted next
+    expected_wait_ms: int
+    received_at: float  # time.perf_counter() on arrival
+
+
+@dataclass(frozen=True, slots=True)
 class Packet:
     utterance_id: str
     stream: int
@@ -66,6 +78,7 @@ class Done:
     utterance_id: str
     duration_ms: int
     packets: int
+    queued_ms: int = 0  # how long it waited for admission in the server's queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +115,10 @@ class Error:
     code: str
     message: str
     utterance_id: str | None = None
+    retry_after_ms: int | None = None  # overloaded: when a retry may be admitted
 
 
-Event = Started | Packet | Words | Done | Interrupted | Paused | Unpaused | Error
+Event = Started | Queued | Packet | Words | Done | Interrupted | Paused | Unpaused | Error
 _TERMINAL = (Done, Interrupted, Error)
 
 
@@ -131,11 +145,13 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
     uid = str(raw.get("utterance_id", ""))
     if kind == "utterance.started":
         return Started(uid, int(raw["stream"]))
+    if kind == "utterance.queued":
+        return Queued(uid, int(raw["position"]), int(raw["expected_wait_ms"]), time.perf_counter())
     if kind == "words":
         words = tuple(w for w in (_word(item) for item in raw.get("words", ())) if w is not None)
         return Words(uid, str(raw.get("source", "")), words, time.perf_counter())
     if kind == "utterance.done":
-        return Done(uid, int(raw["duration_ms"]), int(raw["packets"]))
+        return Done(uid, int(raw["duration_ms"]), int(raw["packets"]), int(raw.get("queued_ms", 0)))
     if kind in ("utterance.interrupted", "utterance.paused"):
         report = Interrupted if kind == "utterance.interrupted" else Paused
         return report(
@@ -150,7 +166,13 @@ def decode_event(raw: Mapping[str, Any]) -> Event | None:
     if kind == "utterance.unpaused":
         return Unpaused(uid)
     if kind == "error":
-        return Error(str(raw.get("code", "")), str(raw.get("message", "")), raw.get("utterance_id"))
+        retry = raw.get("retry_after_ms")
+        return Error(
+            str(raw.get("code", "")),
+            str(raw.get("message", "")),
+            raw.get("utterance_id"),
+            int(retry) if isinstance(retry, int | float) and not isinstance(retry, bool) else None,
+        )
     return None
 
 

@@ -6,8 +6,15 @@ spread over several processes, each running an asyncio loop; their records are m
 Every request may carry `"bench": {"forced_frames": N}` in its `speak.append` (the row's `frames`),
 which the gateway passes to the engine as SynthesisRequest.forced_frames.
 
+Beyond the engine's capacity a request may wait in its queue (`utterance.queued`; TTFA and RTF then
+count from its admission, its wait is reported apart) or be refused (`overloaded`): the client then
+waits the `retry_after_ms` the server gave and sends the same prompt again, as a real client would.
+Levels may be relative to the capacity the server reports when the point starts (GET /v1/load):
+`capacity`, or a multiple of it such as `1.5x` or `2x`; run a point above the capacity before them,
+so that the engine has measured what it holds.
+
     cadence bench --url ws://127.0.0.1:8000/v1/stream --corpus deploy/bench/corpus.jsonl \
-        --concurrency 1,8,32,64 --min-seconds 60 -o deploy/bench/run.json
+        --concurrency 1,256,512,capacity,1.5x,2x --min-seconds 60 -o deploy/bench/run.json
 """
 
 from __future__ import annotations
@@ -32,11 +39,20 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
-from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Session, Words, connect
-from clients.loadtest_report import PRICE_PER_HOUR_USD, RequestRecord, headline, plot, summarize, word_lags_ms
+from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Queued, Session, Words, connect
+from clients.loadtest_report import (
+    PRICE_PER_HOUR_USD,
+    RequestRecord,
+    goodput_of_peak,
+    headline,
+    plot,
+    summarize,
+    word_lags_ms,
+)
 
 DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
+DEFAULT_RETRY_AFTER_S = 1.0  # an overloaded answer that names no wait
 STREAMS_PER_PROCESS = 128
 GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
 ENGINE_FIGURE_METRIC = "cadence_engine_figure"
@@ -124,19 +140,28 @@ async def _stream_loop(
     measure_from: float,
     out: list[RequestRecord],
 ) -> None:
+    prompt: Prompt | None = None
     while not shared.stop.is_set():
-        with shared.next_prompt.get_lock():
-            index = shared.next_prompt.value
-            shared.next_prompt.value += 1
-        record = await one_request(session, stream, job.prompts[index % len(job.prompts)], job)
+        if prompt is None:
+            with shared.next_prompt.get_lock():
+                index = shared.next_prompt.value
+                shared.next_prompt.value += 1
+            prompt = job.prompts[index % len(job.prompts)]
+        record = await one_request(session, stream, prompt, job)
         out.append(record)
         if record.ok and record.ended_at >= measure_from:
             with shared.measured.get_lock():
                 shared.measured.value += 1
         if record.error == "connection_closed":
             return
+        if record.refused:  # as a real client: wait what the server asked, then the same prompt again
+            await asyncio.sleep(
+                DEFAULT_RETRY_AFTER_S if record.retry_after_s is None else record.retry_after_s
+            )
+            continue
+        prompt = None
         if record.error is not None:
-            await asyncio.sleep(0.1)  # e.g. overloaded: back off a little before the next request
+            await asyncio.sleep(0.1)  # back off a little before the next request
 
 
 async def one_request(session: Session, stream: int, prompt: Prompt, job: WorkerJob) -> RequestRecord:
@@ -151,6 +176,9 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
     error: str | None = None
     packets: list[tuple[int, float]] = []  # (sample past the packet, arrival): for the words' lag
     words: list[tuple[float, list[int]]] = []
+    queued, queued_s = False, 0.0
+    answered_at: float | None = None
+    retry_after_s: float | None = None
     await session.append(uid, prompt.text, **extra)
     await session.end(uid)
     ended = time.perf_counter()
@@ -163,11 +191,17 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
             packets.append((event.sample_offset + event.samples, event.received_at))
         elif isinstance(event, Words):
             words.append((event.received_at, [w.start_ms for w in event.words]))
+        elif isinstance(event, Queued):
+            queued, answered_at = True, event.received_at
         elif isinstance(event, Error):
             error = event.code
+            if error == "overloaded":
+                answered_at = answered_at or time.perf_counter()
+                retry_after_s = None if event.retry_after_ms is None else event.retry_after_ms / 1000
         elif isinstance(event, Interrupted):
             error = "interrupted"
         elif isinstance(event, Done):
+            queued_s = event.queued_ms / 1000
             break
     return RequestRecord(
         stream,
@@ -181,6 +215,10 @@ async def one_request(session: Session, stream: int, prompt: Prompt, job: Worker
         clock.first_underrun_s,
         clock.stall_s,
         word_lags_ms(packets, words, session.sample_rate),
+        queued,
+        queued_s,
+        answered_at,
+        retry_after_s,
     )
 
 
@@ -266,6 +304,7 @@ def run_point(
     progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
     gpu = gpu_memory_gb(url)
     point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+    point.update(engine_capacity(load_url(args.url)))
     point.update(cpu)
     point.update(gc_figures(gc_at_start, gc_counts(text)))
     if figures:
@@ -285,6 +324,36 @@ def session_options(args: argparse.Namespace) -> dict[str, Any]:
 def metrics_url(stream_url: str) -> str:
     base = stream_url.replace("wss://", "https://").replace("ws://", "http://")
     return base.split("/v1/")[0] + "/metrics"
+
+
+def load_url(stream_url: str) -> str:
+    return metrics_url(stream_url).rsplit("/", 1)[0] + "/v1/load"
+
+
+def engine_capacity(url: str) -> dict[str, int]:
+    """The capacity the engine's measured cost admits now and its upper bound (GET /v1/load);
+    empty when the server does not say."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            engine = json.loads(response.read().decode()).get("engine", {})
+    except (OSError, ValueError):
+        return {}
+    admission = engine.get("admission") or {}
+    out = {"capacity": int(engine["capacity"])} if "capacity" in engine else {}
+    if "max_streams" in admission:
+        out["max_streams"] = int(admission["max_streams"])
+    return out
+
+
+def resolve_level(level: str, capacity: int | None) -> int:
+    """A level of --concurrency: a number, `capacity`, or a multiple of it (`1.5x`)."""
+    text = level.strip().lower()
+    if text in ("capacity", "cap") or text.endswith("x"):
+        if not capacity:
+            raise SystemExit(f"--concurrency {level}: the server reports no capacity (GET /v1/load)")
+        factor = 1.0 if text in ("capacity", "cap") else float(text[:-1])
+        return max(1, round(factor * capacity))
+    return int(text)
 
 
 def scrape(url: str) -> str:
@@ -421,7 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--corpus", type=Path, default=Path("deploy/bench/corpus.jsonl"), help="JSON lines: text, frames"
     )
     p.add_argument(
-        "--concurrency", default=DEFAULT_LEVELS, help=f"comma-separated C values ({DEFAULT_LEVELS})"
+        "--concurrency",
+        default=DEFAULT_LEVELS,
+        help=f"comma-separated C values ({DEFAULT_LEVELS}); `capacity` and multiples such as `2x` "
+        "take the capacity the server reports when the point starts",
     )
     p.add_argument("--min-seconds", type=float, default=60.0, help="measure at least this long per point")
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop a point after this long regardless")
@@ -457,7 +529,9 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
     prompts = load_corpus(args.corpus)
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    levels = [c for c in args.concurrency.split(",") if c.strip()]
+    for level in levels:  # a typo fails before the sweep, not after an hour of it
+        resolve_level(level, 1)
     engine = asyncio.run(server_engine(args))
     output: Path = (
         args.output
@@ -469,9 +543,13 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
     run.update({"points": [], "reference": None, "headline": None, "scaling_ratio": None})
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for concurrency in levels:
+        for level in levels:
+            concurrency = resolve_level(level, engine_capacity(load_url(args.url)).get("capacity"))
             point = run_point(args, prompts, concurrency, progress)
+            if not level.strip().isdigit():
+                point["level"] = level.strip()  # e.g. "2x": twice the capacity the server reported
             run["points"].append(point)
+            goodput_of_peak(run["points"])
             run["headline"] = headline(run["points"])
             output.write_text(json.dumps(run, indent=1, ensure_ascii=False) + "\n")
             progress.console.print(
@@ -481,6 +559,12 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
                 f"the first s, first at p50 {point['underrun_first_s_p50']} s), stall p90/p99 "
                 f"{point['stall_ms_p90']}/{point['stall_ms_p99']} ms, {point['chars_per_s']} chars/s, "
                 f"${point['usd_per_m_chars']}/M chars, errors {point['errors']}"
+            )
+            progress.console.print(
+                f"  admission: capacity {point.get('capacity')}, admitted {point['admitted']}, queued "
+                f"{point['queued']} (wait p50/p90 {point['queue_wait_p50_ms']}/{point['queue_wait_p90_ms']} "
+                f"ms), refused {point['refused']}, excess answered p90 {point['excess_answer_ms_p90']} ms, "
+                f"goodput {point['audio_s_per_s']} audio-s/s"
             )
             stages = {
                 k: v

@@ -31,20 +31,33 @@ class RequestRecord:
     first_underrun_s: float | None = None  # audio position of the first underrun
     stall_s: float = 0.0  # total time the player sat dry
     word_lags_ms: tuple[float, ...] = ()  # each word's `words` event after its first audio (word_lags_ms)
+    queued: bool = False  # the server answered utterance.queued: it waited for admission
+    queued_s: float = 0.0  # how long it waited (the server's utterance.done `queued_ms`)
+    answered_at: float | None = None  # perf_counter of utterance.queued or of the refusal
+    retry_after_s: float | None = None  # refused (overloaded): the server's retry_after_ms
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.first_packet_at is not None and self.audio_s > 0
 
     @property
+    def refused(self) -> bool:
+        return self.error == "overloaded"
+
+    @property
+    def admitted_at(self) -> float:
+        """When the engine admitted it: speak.end, or the end of its wait in the queue."""
+        return self.ended_at + self.queued_s
+
+    @property
     def ttfa_ms(self) -> float:
         assert self.first_packet_at is not None
-        return (self.first_packet_at - self.ended_at) * 1000.0
+        return (self.first_packet_at - self.admitted_at) * 1000.0
 
     @property
     def rtf(self) -> float:
         assert self.last_packet_at is not None
-        return (self.last_packet_at - self.ended_at) / self.audio_s
+        return (self.last_packet_at - self.admitted_at) / self.audio_s
 
 
 def word_lags_ms(
@@ -87,10 +100,18 @@ def summarize(
     price_per_hour: float = PRICE_PER_HOUR_USD,
     gpu_mem_gb: float | None = None,
 ) -> dict[str, Any]:
-    """One point: latency over requests sent inside the window, throughput over completions in it."""
+    """One point: latency over requests sent inside the window, throughput over completions in it.
+    TTFA and RTF count from admission; a request that waited in the server's queue reports its wait
+    apart (`queue_wait_*`), one refused (overloaded) is counted apart from the errors."""
     start, end = window
     measured = [r for r in records if r.ended_at >= start]
     good = [r for r in measured if r.ok]
+    refused = [r for r in measured if r.refused]
+    queued = [r for r in good if r.queued]
+    waits_ms = [1000.0 * r.queued_s for r in queued]
+    answers_ms = [
+        1000.0 * (r.answered_at - r.ended_at) for r in (*queued, *refused) if r.answered_at is not None
+    ]
     completed = [
         r for r in records if r.ok and r.last_packet_at is not None and start <= r.last_packet_at <= end
     ]
@@ -104,7 +125,14 @@ def summarize(
     return {
         "concurrency": concurrency,
         "requests": len(good),
-        "errors": len(measured) - len(good),
+        "errors": len(measured) - len(good) - len(refused),
+        "admitted": len(good) - len(queued),  # admitted at once
+        "queued": len(queued),  # admitted after a wait in the queue
+        "refused": len(refused),
+        "queue_wait_p50_ms": _round(percentile(waits_ms, 50)),
+        "queue_wait_p90_ms": _round(percentile(waits_ms, 90)),
+        # the excess: from speak.end to its utterance.queued or its refusal
+        "excess_answer_ms_p90": _round(percentile(answers_ms, 90)),
         "ttfa_p50_ms": _round(percentile(ttfa, 50)),
         "ttfa_p90_ms": _round(percentile(ttfa, 90)),
         "ttfa_p99_ms": _round(percentile(ttfa, 99)),
@@ -127,7 +155,7 @@ def summarize(
         "words_lag_ms_p99": _round(percentile(lags, 99)),
         "words_before_audio_pct": _round(100.0 * sum(lag <= 0 for lag in lags) / len(lags)) if lags else None,
         "chars_per_s": _round(chars_per_s),
-        "audio_s_per_s": _round(sum(r.audio_s for r in completed) / wall, 3),
+        "audio_s_per_s": _round(sum(r.audio_s for r in completed) / wall, 3),  # goodput: admitted streams
         "usd_per_m_chars": _round(usd_per_m_chars(chars_per_s, price_per_hour), 4),
         "gpu_mem_gb": gpu_mem_gb,
         "window_s": _round(wall, 3),
@@ -138,6 +166,13 @@ def _round(value: float | None, digits: int = 2) -> float | None:
     if value is None or math.isnan(value):
         return None
     return round(value, digits)
+
+
+def goodput_of_peak(points: Sequence[dict[str, Any]]) -> None:
+    """Each point's audio-s/s (the admitted streams') as a share of the sweep's largest."""
+    peak = max((p["audio_s_per_s"] or 0.0 for p in points), default=0.0)
+    for p in points:
+        p["goodput_pct_of_peak"] = _round(100.0 * (p["audio_s_per_s"] or 0.0) / peak, 1) if peak else None
 
 
 def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -154,11 +189,17 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not passing:
         return {"concurrency": 0, "chars_per_s": 0, "usd_per_m_chars": None}
     best = max(passing, key=lambda p: p["concurrency"])
-    return {
+    out = {
         "concurrency": best["concurrency"],
         "chars_per_s": best["chars_per_s"],
         "usd_per_m_chars": best["usd_per_m_chars"],
     }
+    # past the capacity, C counts the clients offered: the engine served `capacity` of them at once
+    # and the rest waited (their TTFA and RTF count from admission)
+    for name in ("capacity", "queued", "refused"):
+        if name in best:
+            out[name] = best[name]
+    return out
 
 
 def plot(points: Sequence[dict[str, Any]], stem: Path, title: str) -> list[Path]:

@@ -10,7 +10,7 @@ from typing import TextIO
 
 import websockets
 
-from clients.client import ClientError, Done, Error, Interrupted, Packet, Words, connect
+from clients.client import ClientError, Done, Error, Interrupted, Packet, Queued, Words, connect
 from gateway.messages import Word
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
@@ -53,8 +53,14 @@ async def say(args: argparse.Namespace, out: TextIO) -> int:
                 if args.words:
                     for word in event.words:
                         print(f"{word.start_ms / 1000:8.3f} {word.end_ms / 1000:8.3f}  {word.text}", file=out)
+            elif isinstance(event, Queued):
+                wait = f"about {event.expected_wait_ms / 1000:.1f} s"
+                print(
+                    f"queued: the server is at capacity, position {event.position}, {wait}", file=sys.stderr
+                )
             elif isinstance(event, Error):
-                print(f"error: {event.code}: {event.message}", file=sys.stderr)
+                retry = f" (retry after {event.retry_after_ms / 1000:.1f} s)" if event.retry_after_ms else ""
+                print(f"error: {event.code}: {event.message}{retry}", file=sys.stderr)
                 return 1
             elif isinstance(event, Interrupted):
                 print("error: the utterance was interrupted", file=sys.stderr)

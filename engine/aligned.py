@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -37,10 +38,13 @@ from engine.api import (
     EngineError,
     EngineInfo,
     EngineLoad,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
     WordTiming,
+    queue_position,
+    queue_wait_s,
 )
 from engine.bridge import ChunkChannel
 
@@ -209,6 +213,12 @@ class AlignedStream(SynthesisStream):
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()
 
+    def queue_position(self) -> QueuePosition | None:
+        return queue_position(self.inner)
+
+    def queue_wait_s(self) -> float:
+        return queue_wait_s(self.inner)
+
     # -- the pump (event loop) --------------------------------------------------------------
     async def _run(self) -> None:
         try:
@@ -334,11 +344,4 @@ class AlignedEngine:
         if delays:
             extra["aligner_sync_added_ttfa_ms_p50"] = delays[len(delays) // 2]
             extra["aligner_sync_added_ttfa_ms_p95"] = delays[min(len(delays) - 1, int(0.95 * len(delays)))]
-        return EngineLoad(
-            load.active,
-            load.queued,
-            load.capacity,
-            load.queue_limit,
-            load.ready and (self._worker is not None),
-            extra,
-        )
+        return dataclasses.replace(load, ready=load.ready and (self._worker is not None), extra=extra)

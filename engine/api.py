@@ -14,6 +14,12 @@ Life of a request:
     stream.cancel()                                 # any time, from the event loop; effective at the
                                                     # engine's next step; iteration then ends
 
+An engine admits a request while its measured cost keeps the admitted streams in real time
+(engine.admission); beyond that `open` still returns a stream, which waits for admission in the
+engine's queue (`queue_position(stream)` says where) and produces audio once admitted, or `open`
+raises Overloaded (queue full, or the request's `max_wait_s` would pass; a stream still queued
+when it passes fails with Overloaded).
+
 Text arrives as segments (the gateway cuts the client's text at sentence and clause boundaries);
 each segment says where its first character sits in the utterance's text as the client sent it, so
 that word timings can point back into that text (`char_start` / `char_end`).
@@ -86,6 +92,10 @@ class SynthesisRequest:
     ref_text: str | None = None
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     speed: float = 1.0
+    # the longest the caller will wait in the engine's queue for admission: a request whose expected
+    # wait is longer is refused at once (Overloaded), one still queued when it passes is refused
+    # then; None: the queue's own bound only; 0: admitted at once or refused
+    max_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,15 +149,43 @@ class AudioChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuePosition:
+    """Where a request waits for admission: `position` 1 is admitted next."""
+
+    position: int
+    expected_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionFigures:
+    """Admission by measured cost (engine.admission), for /metrics and the page's load panel."""
+
+    capacity: int  # streams the measured cost admits now (at most max_streams)
+    max_streams: int  # the upper bound, whatever the cost
+    admitted: int  # streams admitted and not finished
+    queued: int  # waiting for admission
+    queue_limit: int
+    admitted_total: int  # since start
+    queued_total: int  # requests that waited in the queue before admission, since start
+    refused: dict[str, int]  # refusals since start by reason: queue_full, max_wait, wait_expired
+    wait_bounds_s: tuple[float, ...]  # upper bounds of the queue-wait histogram's buckets
+    wait_counts: tuple[int, ...]  # cumulative counts per bound, then the total (+Inf)
+    wait_sum_s: float
+    wait_p50_s: float | None = None  # over the requests admitted from the queue in the last minute
+    wait_p90_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """A snapshot for admission control, /readyz and /metrics."""
 
     active: int  # requests producing audio
     queued: int  # admitted, waiting for a slot
-    capacity: int  # active slots
+    capacity: int  # active slots (with admission by measured cost: what the cost admits now)
     queue_limit: int  # queued beyond this -> Overloaded
     ready: bool = True
     extra: dict[str, float] = field(default_factory=dict)  # engine-specific figures
+    admission: AdmissionFigures | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +234,20 @@ class ChunkListener(Protocol):
 
     def fail(self, error: BaseException) -> None:
         """The stream failed (the error as the engine reported it)."""
+
+
+def queue_position(stream: SynthesisStream) -> QueuePosition | None:
+    """Where `stream` waits for admission, or None once admitted (or for an engine without a
+    queue). A stream may offer `queue_position() -> QueuePosition | None`."""
+    own = getattr(stream, "queue_position", None)
+    return None if own is None else cast(QueuePosition | None, own())
+
+
+def queue_wait_s(stream: SynthesisStream) -> float:
+    """Seconds `stream` waited in the queue before admission (0 when admitted at once or still
+    waiting). A stream may offer `queue_wait_s() -> float`."""
+    own = getattr(stream, "queue_wait_s", None)
+    return 0.0 if own is None else float(own())
 
 
 @runtime_checkable

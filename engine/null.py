@@ -10,6 +10,10 @@ burst (the worst case for the gateway's jitter, and what a batched engine step l
 `phase="stream"` starts each stream's clock when its text comes instead, so streams opened at
 different moments produce their chunks at different moments, like independent real-time sources.
 
+Admission: at most `max_streams` streams produce audio at once (the null engine costs nothing to
+measure); beyond them `queue_limit` wait in engine.admission's queue, and their clocks start when
+they are admitted.
+
 Ahead of real time: `speed` > 1 produces `chunk_ms` of audio every `chunk_ms / speed`, the way a
 real engine with an RTF below 1 runs ahead (Qwen3-TTS: 80 ms codec frames at RTF 0.5 is
 `chunk_ms=80, speed=2`); the gateway's realtime pacing then releases the audio on its own clock.
@@ -31,6 +35,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from engine.admission import Admission, Ticket
 from engine.api import (
     AudioChunk,
     ChunkListener,
@@ -38,7 +43,7 @@ from engine.api import (
     EngineInfo,
     EngineLoad,
     InvalidRequest,
-    Overloaded,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -110,6 +115,7 @@ class NullStream(SynthesisStream):
         self._base = 0.0
         self._tick: int | None = None
         self.done = False
+        self.ticket: Ticket[NullStream] | None = None  # its admission (set by the engine's open)
 
     # -- SynthesisStream -----------------------------------------------------------------------
     def push(self, segment: TextSegment) -> None:
@@ -129,7 +135,7 @@ class NullStream(SynthesisStream):
     def cancel(self) -> None:
         self.done = True
         self._channel.close()
-        self._engine._streams.pop(self, None)
+        self._engine._gone(self)
 
     def listen(self, listener: ChunkListener) -> bool:
         self._channel.listen(listener)
@@ -137,6 +143,12 @@ class NullStream(SynthesisStream):
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._channel.__aiter__()
+
+    def queue_position(self) -> QueuePosition | None:
+        return None if self.ticket is None else self._engine.admission.position(self.ticket)
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else self.ticket.waited_s
 
     # -- the clock -----------------------------------------------------------------------------
     def due(self) -> float:
@@ -156,7 +168,7 @@ class NullStream(SynthesisStream):
         if self._text_closed and self._sent >= limit:
             self._channel.put(AudioChunk(self.request_id, tone[:0], self._sent, final=True))
             self.done = True
-            self._engine._streams.pop(self, None)
+            self._engine._gone(self)
             return False
         if self._sent >= limit and self._base + self._tick * tick_s <= horizon:
             self._tick = None  # starved: restart in real time when text comes
@@ -209,6 +221,7 @@ class NullEngine:
         )
         self.max_streams = max_streams
         self.queue_limit = queue_limit
+        self.admission: Admission[NullStream] = Admission(max_streams, queue_limit)
         self.phase: Phase = phase
         samples = chunk_ms * SAMPLE_RATE // 1000
         self.tone: npt.NDArray[np.int16] = pcm16(
@@ -237,6 +250,8 @@ class NullEngine:
         for stream in list(self._streams):
             stream.done = True
             stream._channel.fail(EngineError("engine stopped"))
+            if stream.ticket is not None:
+                self.admission.leave(stream.ticket)
         self._streams.clear()
         self._due.clear()
         self._scheduled.clear()
@@ -245,12 +260,14 @@ class NullEngine:
         self._timer, self._timer_at, self._loop = None, math.inf, None
 
     def load(self) -> EngineLoad:
+        figures = self.admission.figures()
         return EngineLoad(
-            active=len(self._streams),
-            queued=0,
-            capacity=self.max_streams,
-            queue_limit=self.queue_limit,
+            active=figures.admitted,
+            queued=figures.queued,
+            capacity=figures.capacity,
+            queue_limit=figures.queue_limit,
             ready=self._loop is not None,
+            admission=figures,
         )
 
     def open(self, request: SynthesisRequest) -> NullStream:
@@ -258,10 +275,11 @@ class NullEngine:
             raise EngineError("null engine is not running")
         if request.ref_audio is not None:
             raise InvalidRequest("the null engine cannot clone voices")
-        if len(self._streams) >= self.max_streams + self.queue_limit:
-            raise Overloaded(retry_after_s=0.5)
         stream = NullStream(self, request, next(self._order))
+        stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
         self._streams[stream] = None
+        if stream.ticket.queued and request.max_wait_s is not None:
+            self._arm_expiry()
         return stream
 
     async def register_voice(
@@ -269,12 +287,37 @@ class NullEngine:
     ) -> None:
         raise InvalidRequest("the null engine cannot clone voices")
 
+    # -- admission -----------------------------------------------------------------------------
+    def _gone(self, stream: NullStream) -> None:
+        """A stream finished or was cancelled: its place goes to the next one queued."""
+        self._streams.pop(stream, None)
+        if stream.ticket is not None:
+            self.admission.leave(stream.ticket)
+        for ticket in self.admission.admit_waiting():
+            self._wake(ticket.item)
+
+    def _expire(self) -> None:
+        for ticket in self.admission.expire():
+            stream = ticket.item
+            stream.done = True
+            self._streams.pop(stream, None)
+            stream._channel.fail(self.admission.expired_error(ticket))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._loop is not None:
+            self._loop.call_later(wait + 0.001, self._expire)
+
     # -- the clocks ----------------------------------------------------------------------------
     def _wake(self, stream: NullStream) -> None:
-        """Text came: a stream whose clock stopped starts it now (its own phase), or at the next
-        tick of the shared grid."""
+        """Text came (or the stream was admitted): a stream whose clock stopped starts it now (its
+        own phase), or at the next tick of the shared grid."""
         if stream.done or stream in self._scheduled or self._loop is None:
             return
+        if stream.ticket is not None and stream.ticket.queued:
+            return  # its clock starts when it is admitted
         if stream._tick is None:
             now = self._loop.time()
             if self.phase == "shared":

@@ -2,7 +2,10 @@
 
 `WorkerPoolEngine` starts N processes (spawn), each building its own engine from a picklable
 factory (with its own environment, e.g. CUDA_VISIBLE_DEVICES=i), and routes every new request to
-the least-loaded live worker. The pipe carries only what the contract carries: requests, text
+the least-loaded live worker. Admission holds per worker (per GPU): each worker reports the
+capacity its measured cost admits, and the pool sends a worker no more requests than that; the
+rest wait in the pool's queue (engine.admission: FIFO within priority, bounded) and go to the first
+worker with room, or are refused. The pipe carries only what the contract carries: requests, text
 segments, close/cancel, and audio chunks back; the engine's steps stay inside the worker.
 
 A worker that dies fails only the requests it held (their iteration raises EngineError); the pool
@@ -42,6 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from engine.admission import Admission, Ticket
 from engine.api import (
     AudioChunk,
     ChunkListener,
@@ -52,6 +56,7 @@ from engine.api import (
     InvalidAudio,
     InvalidRequest,
     Overloaded,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -410,12 +415,15 @@ class _Worker:
 
 
 class WorkerStream(SynthesisStream):
-    def __init__(self, pool: WorkerPoolEngine, worker: _Worker, rid: int, request_id: str) -> None:
+    def __init__(self, pool: WorkerPoolEngine, rid: int, request: SynthesisRequest) -> None:
         self.pool = pool
-        self.worker = worker
+        self.worker: _Worker | None = None  # set once admitted and sent to a worker
         self.rid = rid
-        self.request_id = request_id
+        self.request = request
+        self.request_id = request.request_id
         self.channel = LoopChunkChannel()  # fed on the loop, by the pool's message handler
+        self.ticket: Ticket[WorkerStream] | None = None  # its admission in the pool
+        self.held: list[tuple[object, ...]] = []  # text and close, while it waits for admission
 
     def push(self, segment: TextSegment) -> None:
         self._send("push", self.rid, segment)
@@ -424,11 +432,21 @@ class WorkerStream(SynthesisStream):
         self._send("close_text", self.rid)
 
     def cancel(self) -> None:
-        self._send("cancel", self.rid)
+        if self.worker is not None:
+            self._send("cancel", self.rid)
         self.channel.close()
-        self.pool._forget(self.worker, self.rid)
+        self.pool._forget(self.rid)
+
+    def queue_position(self) -> QueuePosition | None:
+        return None if self.ticket is None else self.pool.admission.position(self.ticket)
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else self.ticket.waited_s
 
     def _send(self, *message: object) -> None:
+        if self.worker is None:
+            self.held.append(message)
+            return
         if not self.worker.alive:
             return  # its failure is already queued on the channel
         with contextlib.suppress(OSError, ValueError):
@@ -439,7 +457,7 @@ class WorkerStream(SynthesisStream):
             async for chunk in self.channel:
                 yield chunk
         finally:
-            self.pool._forget(self.worker, self.rid)
+            self.pool._forget(self.rid)
 
     def listen(self, listener: ChunkListener) -> bool:
         """The channel hands the chunks over. The pool forgets the request at its final chunk, end
@@ -480,8 +498,14 @@ class WorkerPoolEngine:
     """An Engine that runs one engine per worker process and routes requests to the least loaded."""
 
     def __init__(
-        self, specs: Sequence[WorkerSpec], *, start_timeout_s: float = 600.0, restart: bool = True
+        self,
+        specs: Sequence[WorkerSpec],
+        *,
+        start_timeout_s: float = 600.0,
+        restart: bool = True,
+        queue_limit: int | None = None,
     ) -> None:
+        """`queue_limit`: requests the pool holds for admission (None: the workers' queues summed)."""
         if not specs:
             raise ValueError("a worker pool needs at least one worker")
         self.specs = list(specs)
@@ -494,7 +518,11 @@ class WorkerPoolEngine:
         self._rids = itertools.count(1)
         self._calls = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
-        self._channels: dict[int, LoopChunkChannel] = {}
+        self._streams: dict[int, WorkerStream] = {}
+        self._queue_bound = queue_limit
+        self.admission: Admission[WorkerStream] = Admission(
+            1, queue_limit or 0, capacity=self._capacity, starts=self._room
+        )
         self._voices: dict[str, tuple[npt.NDArray[np.float32], int, str | None]] = {}
         self._ready: dict[int, asyncio.Future[EngineInfo]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -573,23 +601,25 @@ class WorkerPoolEngine:
             for item in args[0]:
                 self._on_message(worker, item)
         elif op == "chunk":
-            channel = self._channels.get(args[0])
-            if channel is not None:
-                channel.put(args[1])
+            stream = self._streams.get(args[0])
+            if stream is not None:
+                stream.channel.put(args[1])
                 if args[1].final:
-                    self._forget(worker, args[0])
+                    self._forget(args[0])
         elif op == "end":
-            channel = self._channels.get(args[0])
-            if channel is not None:
-                channel.finish()
-            self._forget(worker, args[0])
+            stream = self._streams.get(args[0])
+            if stream is not None:
+                stream.channel.finish()
+            self._forget(args[0])
         elif op == "fail":
-            channel = self._channels.get(args[0])
-            if channel is not None:
-                channel.fail(error_from_wire(*args[1:]))
-            self._forget(worker, args[0])
+            stream = self._streams.get(args[0])
+            if stream is not None:
+                stream.channel.fail(error_from_wire(*args[1:]))
+            self._forget(args[0])
         elif op == "load":
             worker.load = args[0]
+            self._bounds()
+            self._promote()  # a worker's measured capacity may have grown
         elif op == "reply":
             future = self._replies.pop(args[0], None)
             if future is not None and not future.done():
@@ -621,9 +651,10 @@ class WorkerPoolEngine:
         """Fail exactly the requests this worker held."""
         worker.alive = False
         for rid in list(worker.in_flight):
-            channel = self._channels.pop(rid, None)
-            if channel is not None:
-                channel.fail(EngineError(why))
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.channel.fail(EngineError(why))
+            self._forget(rid)
         worker.in_flight.clear()
         for call_id in list(worker.calls):
             future = self._replies.pop(call_id, None)
@@ -646,49 +677,115 @@ class WorkerPoolEngine:
                 "worker_restarts": float(self.restarts),
             }
         )
+        figures = self.admission.figures()
         return EngineLoad(
             active=sum(x.active for x in loads),
-            queued=sum(x.queued for x in loads),
-            capacity=sum(x.capacity for x in loads),
-            queue_limit=sum(x.queue_limit for x in loads),
+            queued=figures.queued + sum(x.queued for x in loads),
+            capacity=figures.capacity,
+            queue_limit=figures.queue_limit,
             ready=bool(live) and all(x.ready for x in loads),
             extra=extra,
+            admission=figures,
         )
 
-    def _pick(self) -> _Worker:
-        """The live worker with the fewest requests in flight for its size (ties: lowest index)."""
-        best: tuple[float, int] | None = None
+    # -- admission across the workers ------------------------------------------------------------
+    @staticmethod
+    def _worker_capacity(worker: _Worker) -> int:
+        """Streams the worker's measured cost admits (one until it has reported)."""
+        return max(1, worker.load.capacity) if worker.load is not None else 1
+
+    def _capacity(self) -> int:
+        return sum(self._worker_capacity(w) for w in self.live_workers())
+
+    def _room(self) -> int:
+        """Streams that may start now: each worker's capacity less what the pool sent it."""
+        return sum(max(0, self._worker_capacity(w) - len(w.in_flight)) for w in self.live_workers())
+
+    def _bounds(self) -> None:
+        """The pool's upper bound and queue from what the workers report."""
+        loads = [w.load for w in self.live_workers() if w.load is not None]
+        if not loads:
+            return
+        self.admission.max_streams = sum(
+            x.admission.max_streams if x.admission is not None else x.capacity for x in loads
+        )
+        if self._queue_bound is None:
+            self.admission.queue_limit = sum(x.queue_limit for x in loads)
+
+    def _pick(self) -> _Worker | None:
+        """The live worker with the smallest share of its capacity in flight, one with room
+        first (ties: lowest index)."""
+        best: tuple[bool, float, int] | None = None
         chosen: _Worker | None = None
         for worker in self.live_workers():
-            size = worker.load.capacity + worker.load.queue_limit if worker.load else 0
-            if size and len(worker.in_flight) >= size:
-                continue
-            score = (len(worker.in_flight) / max(size, 1), worker.index)
+            size = self._worker_capacity(worker)
+            score = (len(worker.in_flight) >= size, len(worker.in_flight) / size, worker.index)
             if best is None or score < best:
                 best, chosen = score, worker
-        if chosen is None:
-            raise Overloaded("every engine worker is busy or restarting", retry_after_s=1.0)
         return chosen
+
+    def _dispatch(self, stream: WorkerStream) -> None:
+        """Send an admitted request to a worker, with the text it held while queued."""
+        worker = self._pick()
+        if worker is None:
+            stream.channel.fail(Overloaded("every engine worker is restarting", retry_after_s=1.0))
+            self._forget(stream.rid)
+            return
+        stream.worker = worker
+        worker.in_flight.add(stream.rid)
+        try:
+            worker.send("open", stream.rid, stream.request)
+            for message in stream.held:
+                worker.send(*message)
+        except (OSError, ValueError) as exc:
+            stream.channel.fail(Overloaded(f"engine worker {worker.index} unreachable: {exc}"))
+            self._forget(stream.rid)
+        stream.held = []
+
+    def _promote(self) -> None:
+        for ticket in self.admission.admit_waiting():
+            self._dispatch(ticket.item)
+
+    def _expire(self) -> None:
+        for ticket in self.admission.expire():
+            ticket.item.channel.fail(self.admission.expired_error(ticket))
+            self._forget(ticket.item.rid)
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._loop is not None:
+            self._loop.call_later(wait + 0.001, self._expire)
 
     def open(self, request: SynthesisRequest) -> WorkerStream:
         voice = request.voice
         if voice is not None and voice not in self.info.voices and voice not in self._voices:
             raise UnknownVoice(f"unknown voice {voice!r}")
-        worker = self._pick()
-        rid = next(self._rids)
-        stream = WorkerStream(self, worker, rid, request.request_id)
-        self._channels[rid] = stream.channel
-        worker.in_flight.add(rid)
-        try:
-            worker.send("open", rid, request)
-        except (OSError, ValueError) as exc:
-            self._forget(worker, rid)
-            raise Overloaded(f"engine worker {worker.index} unreachable: {exc}") from None
+        if not self.live_workers():
+            raise Overloaded("every engine worker is busy or restarting", retry_after_s=1.0)
+        stream = WorkerStream(self, next(self._rids), request)
+        stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
+        self._streams[stream.rid] = stream
+        if stream.ticket.admitted_at is None:
+            if request.max_wait_s is not None:
+                self._arm_expiry()
+            return stream
+        self._dispatch(stream)
+        if stream.worker is None:  # no worker took it: refused as the engine is
+            raise Overloaded("every engine worker is busy or restarting", retry_after_s=1.0)
         return stream
 
-    def _forget(self, worker: _Worker, rid: int) -> None:
-        worker.in_flight.discard(rid)
-        self._channels.pop(rid, None)
+    def _forget(self, rid: int) -> None:
+        """A request ended (or was refused): its place in the pool goes to the next one queued."""
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        if stream.worker is not None:
+            stream.worker.in_flight.discard(rid)
+        if stream.ticket is not None:
+            self.admission.leave(stream.ticket)
+        self._promote()
 
     async def register_voice(
         self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None

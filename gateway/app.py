@@ -33,7 +33,7 @@ from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, admission_summary
 from gateway.quotas import QuotaError, Quotas
 from gateway.rest import make_speech_endpoint
 from gateway.session import Session
@@ -254,6 +254,7 @@ class Gateway:
                     "capacity": load.capacity,
                     "queue_limit": load.queue_limit,
                     "figures": {k: v for k, v in load.extra.items() if math.isfinite(v)},  # JSON has no NaN
+                    "admission": admission_summary(load.admission),
                 },
                 "gateway": {
                     "sessions": len(self.sessions),

@@ -105,6 +105,9 @@ class SpeakAppend:
     # (benchmarks with random weights, whose text does not end the audio); read on the utterance's
     # first append
     forced_frames: int | None = None
+    # the longest the utterance may wait in the engine's queue for admission (ms; 0: admitted at
+    # once or refused); read on its first append
+    max_wait_ms: int | None = None
     type: Literal["speak.append"] = "speak.append"
 
 
@@ -203,6 +206,15 @@ class UtteranceStarted(TypedDict):
     text_offset: NotRequired[int]  # speak.resume: where this text starts in that one's text
 
 
+class UtteranceQueued(TypedDict):
+    """The engine is at capacity: the utterance waits for admission (its audio comes later)."""
+
+    type: Literal["utterance.queued"]
+    utterance_id: str
+    position: int  # 1: admitted next
+    expected_wait_ms: int
+
+
 class WordInfo(TypedDict):
     index: int
     text: str
@@ -246,6 +258,7 @@ class UtteranceDone(TypedDict):
     utterance_id: str
     duration_ms: int
     packets: int
+    queued_ms: NotRequired[int]  # how long it waited in the engine's queue, when it did
 
 
 class UtteranceInterrupted(TypedDict):
@@ -283,6 +296,7 @@ class ErrorMessage(TypedDict):
     code: ErrorCode
     message: str
     utterance_id: NotRequired[str]
+    retry_after_ms: NotRequired[int]  # overloaded: when a retry may be admitted
 
 
 class SessionEnded(TypedDict):
@@ -292,6 +306,7 @@ class SessionEnded(TypedDict):
 ServerMessage = (
     SessionStarted
     | UtteranceStarted
+    | UtteranceQueued
     | Words
     | UtteranceDone
     | UtteranceInterrupted
@@ -497,7 +512,7 @@ def _speak_append(f: _Fields) -> SpeakAppend:
     uid = f.ident("utterance_id")
     text = f.text("text", required=True)
     assert text is not None
-    return SpeakAppend(uid, text, f.flag("flush", False), _forced_frames(f))
+    return SpeakAppend(uid, text, f.flag("flush", False), _forced_frames(f), f.milliseconds("max_wait_ms"))
 
 
 MAX_FORCED_FRAMES: Final = 8192

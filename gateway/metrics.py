@@ -13,10 +13,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.api import EngineLoad
+from engine.api import AdmissionFigures, EngineLoad
 from gateway.gc_pauses import BUCKETS_S, GcPauses
 
 _TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -29,14 +29,15 @@ class GatewayMetrics:
         r = self.registry
         self.ttfa = Histogram(
             "cadence_ttfa_seconds",
-            "Time from an utterance's first text to its first packet sent",
+            "Time from an utterance's first text (its admission, when it waited in the engine's queue) "
+            "to its first packet sent",
             ["endpoint"],
             buckets=_TTFA_BUCKETS,
             registry=r,
         )
         self.rtf = Histogram(
             "cadence_rtf",
-            "Synthesis wall time over audio duration, per utterance",
+            "Synthesis wall time (from admission) over audio duration, per utterance",
             ["endpoint"],
             buckets=_RTF_BUCKETS,
             registry=r,
@@ -45,7 +46,13 @@ class GatewayMetrics:
         self.active_utterances = Gauge("cadence_active_utterances", "Utterances in progress", registry=r)
         self.engine_active = Gauge("cadence_engine_active", "Engine requests producing audio", registry=r)
         self.engine_queue_depth = Gauge("cadence_engine_queue_depth", "Engine requests waiting", registry=r)
-        self.engine_capacity = Gauge("cadence_engine_capacity", "Engine active slots", registry=r)
+        self.engine_capacity = Gauge(
+            "cadence_engine_capacity",
+            "Streams the engine admits now (its measured cost, within its bound)",
+            registry=r,
+        )
+        self.admission: AdmissionFigures | None = None  # the engine's, at the last observe_engine
+        r.register(_AdmissionCollector(self))
         self.errors = Counter("cadence_errors", "Error messages and responses, by code", ["code"], registry=r)
         self.utterances = Counter("cadence_utterances", "Utterances opened", ["endpoint"], registry=r)
         self.packets = Counter("cadence_packets_sent", "Audio packets sent on /v1/stream", registry=r)
@@ -77,6 +84,7 @@ class GatewayMetrics:
         self.registry.register(_RegistryCollector(other))
 
     def observe_engine(self, load: EngineLoad) -> None:
+        self.admission = load.admission
         self.engine_active.set(load.active)
         self.engine_queue_depth.set(load.queued)
         self.engine_capacity.set(load.capacity)
@@ -101,6 +109,72 @@ class _RegistryCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self.registry.collect()
+
+
+def admission_summary(figures: AdmissionFigures | None) -> dict[str, object] | None:
+    """The engine's admission for GET /v1/load (the page's load panel): the queue's waits in ms."""
+    if figures is None:
+        return None
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(1000 * seconds, 1)
+
+    return {
+        "capacity": figures.capacity,
+        "max_streams": figures.max_streams,
+        "admitted": figures.admitted,
+        "queued": figures.queued,
+        "queue_limit": figures.queue_limit,
+        "admitted_total": figures.admitted_total,
+        "queued_total": figures.queued_total,
+        "refused": dict(figures.refused),
+        "queue_wait_p50_ms": ms(figures.wait_p50_s),
+        "queue_wait_p90_ms": ms(figures.wait_p90_s),
+    }
+
+
+class _AdmissionCollector(Collector):
+    """The engine's admission (engine.api.AdmissionFigures), as it was at the last observe_engine:
+    its counts are the engine's own since start, so they are read, not re-counted here."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.metrics.admission
+        if figures is None:
+            return
+        yield GaugeMetricFamily(
+            "cadence_engine_max_streams",
+            "The engine's upper bound on admitted streams",
+            value=figures.max_streams,
+        )
+        yield GaugeMetricFamily(
+            "cadence_engine_queue_limit",
+            "Requests the engine's queue holds at most",
+            value=figures.queue_limit,
+        )
+        yield CounterMetricFamily(
+            "cadence_engine_admitted", "Requests the engine admitted", value=figures.admitted_total
+        )
+        yield CounterMetricFamily(
+            "cadence_engine_queued",
+            "Requests that waited in the engine's queue before admission",
+            value=figures.queued_total,
+        )
+        refusals = CounterMetricFamily(
+            "cadence_engine_refusals", "Requests the engine refused, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(figures.refused.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+        histogram = HistogramMetricFamily(
+            "cadence_engine_queue_wait_seconds",
+            "Time requests waited in the engine's queue before admission (those that waited)",
+        )
+        bounds = [*(repr(b) for b in figures.wait_bounds_s), "+Inf"]
+        histogram.add_metric([], list(zip(bounds, figures.wait_counts, strict=True)), figures.wait_sum_s)
+        yield histogram
 
 
 class _GcPauseCollector(Collector):

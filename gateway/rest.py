@@ -88,6 +88,7 @@ class SpeechRequest:
     # a one-off voice clone: the reference clip (mono samples, rate) and its transcript
     ref_audio: tuple[npt.NDArray[np.float32], int] | None = None
     ref_text: str | None = None
+    max_wait_ms: int | None = None  # the longest it may wait in the engine's queue for admission
 
 
 def error_response(
@@ -149,6 +150,11 @@ def parse_speech_request(
     if not isinstance(timestamps, bool):
         raise BadRequest("invalid_message", "`timestamps` must be true or false")
     response_format: Container = next(c for c in CONTAINERS if c == fmt)
+    max_wait_ms = body.get("max_wait_ms")
+    if max_wait_ms is not None and (
+        isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, int) or not 0 <= max_wait_ms <= 2**31
+    ):
+        raise BadRequest("invalid_message", "`max_wait_ms` must be a whole number of milliseconds")
     ref_audio = _reference_clip(body.get("ref_audio"))
     voice = _voice(body.get("voice"))
     if engine is not None:
@@ -167,6 +173,7 @@ def parse_speech_request(
         timestamps=timestamps,
         ref_audio=ref_audio,
         ref_text=_optional_text(body, "ref_text"),
+        max_wait_ms=max_wait_ms,
     )
 
 
@@ -325,6 +332,7 @@ def make_speech_endpoint(
                     speed=req.speed,
                     ref_audio=req.ref_audio,
                     ref_text=req.ref_text,
+                    max_wait_s=None if req.max_wait_ms is None else req.max_wait_ms / 1000,
                 )
             )
         except EngineError as exc:
@@ -364,6 +372,11 @@ def make_speech_endpoint(
                 async for piece, _ in synthesis.pieces():
                     encoder.encode(np.frombuffer(piece, dtype="<i2"))
             except EngineError as exc:
+                wait = retry_after_s(exc)  # still queued when its max wait passed: refused
+                if wait is not None:
+                    return fail(
+                        429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))}
+                    )
                 return fail(500, error_code(exc), public_message(exc))
             return Response(encoder.finish(), media_type=media_type, headers=headers)
         return StreamingResponse(

@@ -36,7 +36,7 @@ from typing import Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisStream
+from engine.api import AudioChunk, Engine, EngineError, SynthesisStream, queue_position, queue_wait_s
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -385,8 +385,8 @@ class Session:
             self._stream_t0[stream] = now
             utt = self.protocol.by_stream(stream)
             started = self._first_text_at.get(utt.utterance_id) if utt else None
-            if started is not None:
-                self.metrics.ttfa.labels("stream").observe(now - started)
+            if started is not None and utt is not None:  # from admission, when it was queued
+                self.metrics.ttfa.labels("stream").observe(now - started - self._queue_wait(utt.utterance_id))
         if packet.last:
             self._stream_t0.pop(stream, None)
         actions = self.protocol.packet_sent(stream, packet, now)
@@ -419,9 +419,10 @@ class Session:
             self._pulls.pop(utterance_id, None)
 
     def _stream_ended(self, utterance_id: str) -> None:
+        actions = self.protocol.stream_ended(utterance_id)
+        self._execute(actions)  # its utterance.done, while the stream still tells its queue wait
         self._streams.pop(utterance_id, None)
         self._listeners.pop(utterance_id, None)
-        self._execute(self.protocol.stream_ended(utterance_id))
 
     def _stream_failed(self, utterance_id: str, exc: BaseException) -> None:
         if not isinstance(exc, EngineError):
@@ -539,7 +540,7 @@ class Session:
             self._listeners[uid] = listener
         else:
             self._pulls[uid] = asyncio.create_task(self._pull(uid, stream))
-        return self.protocol.open_succeeded(action.utterance_id)
+        return self.protocol.open_succeeded(action.utterance_id, queue_position(stream))
 
     def _push(self, action: PushText) -> list[Action]:
         stream = self._streams.get(action.utterance_id)
@@ -557,11 +558,19 @@ class Session:
         message = action.message
         if message["type"] != "utterance.done":
             return
+        waited = self._queue_wait(message["utterance_id"])
+        if waited > 0:
+            message["queued_ms"] = round(1000 * waited)
         started = self._first_text_at.pop(message["utterance_id"], None)
         if started is not None and message["duration_ms"] > 0:
             self.metrics.rtf.labels("stream").observe(
-                (self._loop.time() - started) / (message["duration_ms"] / 1000)
+                (self._loop.time() - started - waited) / (message["duration_ms"] / 1000)
             )
+
+    def _queue_wait(self, utterance_id: str) -> float:
+        """Seconds the utterance's engine stream waited for admission (0: admitted at once)."""
+        stream = self._streams.get(utterance_id)
+        return 0.0 if stream is None else queue_wait_s(stream)
 
     def _count_active(self) -> None:
         active = self.protocol.active_count

@@ -119,6 +119,7 @@ function onPacket(buffer) {
   const samples = new Float32Array(buffer.slice(12));
   state.packets += 1;
   if (cur.ttfaMs === null) {
+    if (cur.queued) setStatus("open", "admitted"); // it waited in the server's queue until now
     cur.ttfaMs = performance.now() - cur.sentAt;
     $("ttfa").textContent = `${Math.round(cur.ttfaMs)} ms`;
   }
@@ -132,6 +133,10 @@ function onMessage(msg) {
   note(msg.type, { uid: msg.utterance_id });
   if (msg.type === "utterance.started") {
     state.streams.set(msg.stream, msg.utterance_id);
+  } else if (msg.type === "utterance.queued" && cur && msg.utterance_id === cur.uid) {
+    // the server is at capacity: the audio comes once the utterance is admitted
+    cur.queued = msg;
+    setStatus("queued", `queued: position ${msg.position}, about ${(msg.expected_wait_ms / 1000).toFixed(1)} s`);
   } else if (msg.type === "words" && cur && msg.utterance_id === cur.uid) {
     cur.words.push(...msg.words);
     renderWords();
@@ -392,6 +397,11 @@ function showLoad(body) {
   $("load-engine-ttfa").textContent = fmtMs(f.ttfa_p50_ms);
   $("load-active").textContent = `${e.active} / ${e.capacity}`;
   $("load-queued").textContent = `${e.queued}`;
+  const a = e.admission; // admission by measured cost: capacity within the bound, the queue, refusals
+  $("load-capacity").textContent = a ? `${a.capacity} / ${a.max_streams}` : `${e.capacity}`;
+  $("load-queue").textContent = a ? `${a.queued} / ${a.queue_limit}` : `${e.queued} / ${e.queue_limit}`;
+  $("load-queue-wait").textContent = a ? `${fmtMs(a.queue_wait_p50_ms)} / ${fmtMs(a.queue_wait_p90_ms)}` : "–";
+  $("load-refused").textContent = a ? ["queue_full", "max_wait", "wait_expired"].map((k) => `${a.refused[k] || 0}`).join(" / ") : "–";
   $("load-kv").textContent = "kv_blocks_in_use" in f ? `${f.kv_blocks_in_use} / ${f.kv_blocks_total}` : "–";
   $("load-batch").textContent = ["batch_decode", "batch_prefill", "batch_codec"].map((k) => fmtNum(f[k])).join(" / ");
   $("load-step").textContent = ["step_ms_decode", "step_ms_prefill", "step_ms_codec"].map((k) => fmtNum(f[k])).join(" / ") + " ms";

@@ -1,9 +1,14 @@
 """eSpeak NG as a Cadence engine: zero-download, multilingual, far faster than real time, native
 word times.
 
-One worker thread owns the (process-global) eSpeak library and serves every stream round-robin,
-one sentence per turn, interactive requests first and a new request's first sentence before
-the next sentences of running ones; the event loop never blocks on it. A sentence's
+One worker thread owns the (process-global) eSpeak library and serves the streams one sentence
+per turn, interactive requests first, then the earliest deadline: a new request's is its first
+audio's target, a running one's the moment its listener would run dry (its first audio plus the
+audio made since). A stream far ahead of its listener waits for one about to run dry, and a new
+request's first sentence goes before the next sentences of streams with audio in hand; the event
+loop never blocks on the worker. Streams are admitted by the cost the worker measures
+(engine.espeak.capacity): beyond what it keeps in real time they wait in a bounded queue, or are
+refused. A sentence's
 PCM is streamed as eSpeak produces it (~100 ms chunks), resampled 22 050 -> 24 000 Hz, and handed
 to the event loop through a ChunkChannel. WORD events become WordTimings on the 24 kHz utterance
 timeline, with character offsets into the client's text; audio is held back only up to the start
@@ -14,6 +19,8 @@ sentence in progress at its next ~100 ms chunk.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import threading
 import time
 from collections import deque
@@ -24,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import soxr
 
+from engine.admission import Admission, Ticket
 from engine.api import (
     AudioChunk,
     ChunkListener,
@@ -31,8 +39,7 @@ from engine.api import (
     EngineInfo,
     EngineLoad,
     InvalidRequest,
-    Overloaded,
-    Priority,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -40,6 +47,7 @@ from engine.api import (
     WordTiming,
 )
 from engine.bridge import ChunkChannel
+from engine.espeak.capacity import CALIBRATION_TEXT, HEADROOM, TTFA_TARGET_S, EspeakCapacity
 from engine.espeak.lib import Espeak, WordEvent, library
 from engine.espeak.text import TimedSpan, WordTracker, script_language, split_sentences
 
@@ -99,7 +107,15 @@ def pause_after(text: str) -> int:
 class EspeakEngine:
     """engine.api.Engine backed by eSpeak NG."""
 
-    def __init__(self, max_streams: int = 256, queue_limit: int = 64) -> None:
+    def __init__(
+        self,
+        max_streams: int | None = None,
+        queue_limit: int | None = None,
+        headroom: float = HEADROOM,
+        ttfa_target_s: float = TTFA_TARGET_S,
+    ) -> None:
+        """`max_streams`: the upper bound on admitted streams (None: what the worker keeps in real
+        time alone, measured at start); `queue_limit`: streams waiting beyond them (None: as many)."""
         self.info = EngineInfo(
             name="espeak",
             model="eSpeak NG",
@@ -108,23 +124,36 @@ class EspeakEngine:
             languages=("Auto", *LANGUAGES),
             default_voice="default",
         )
-        self.max_streams = max_streams
-        self.queue_limit = queue_limit
+        self._bound, self._queue_bound = max_streams, queue_limit
+        self.max_streams = max_streams or 256
+        self.queue_limit = self.max_streams if queue_limit is None else queue_limit
+        self.cost = EspeakCapacity(headroom, ttfa_target_s)
+        self.admission: Admission[EspeakStream] = Admission(
+            self.max_streams, self.queue_limit, capacity=self._cost_capacity, starts=self._starts
+        )
         self._lib: Espeak | None = None
         self._cond = threading.Condition()
-        self._ready: dict[Priority, deque[EspeakStream]] = {p: deque() for p in Priority}
+        # streams with a sentence to synthesise: (priority, deadline, order, stream), a heap
+        self._ready: list[tuple[int, float, int, EspeakStream]] = []
+        self._order = itertools.count()
+        self._first_waiting = 0  # of them, streams whose first sentence it is
         self._active: set[EspeakStream] = set()
-        self._waiting: deque[EspeakStream] = deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._audio_s = 0.0
         self._synth_s = 0.0
+        self._piece: tuple[float, float] | None = None  # (synthesis s, audio s) of the last sentence
 
     # -- Engine -----------------------------------------------------------------------------
     async def start(self) -> None:
         if self._thread is not None:
             return
         self._lib = await asyncio.to_thread(_warmed_library)
+        self.cost.calibrate(*await asyncio.to_thread(_calibration, self._lib))
+        if self._bound is None:
+            self.max_streams = self.cost.auto_max_streams()
+            self.queue_limit = self.max_streams if self._queue_bound is None else self._queue_bound
+            self.admission.max_streams, self.admission.queue_limit = self.max_streams, self.queue_limit
         self.info = replace(self.info, model=f"eSpeak NG {self._lib.version}".strip())
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="espeak-engine", daemon=True)
@@ -132,7 +161,7 @@ class EspeakEngine:
 
     async def stop(self) -> None:
         with self._cond:
-            streams = [*self._active, *self._waiting]
+            streams = [*self._active, *(t.item for t in self.admission.queued_tickets())]
             self._stopping = True
             self._cond.notify_all()
         for stream in streams:
@@ -140,18 +169,25 @@ class EspeakEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        with self._cond:  # a restart begins with nothing admitted
+            for ticket in [*self.admission.admitted, *self.admission.queued_tickets()]:
+                self.admission.leave(ticket)
+            self._active.clear()
+            self._ready.clear()
+            self._first_waiting = 0
 
     def load(self) -> EngineLoad:
         with self._cond:
-            active, queued = len(self._active), len(self._waiting)
+            figures = self.admission.figures()
         extra = {"x_realtime": self._audio_s / self._synth_s} if self._synth_s else {}
         return EngineLoad(
-            active=active,
-            queued=queued,
-            capacity=self.max_streams,
-            queue_limit=self.queue_limit,
+            active=figures.admitted,
+            queued=figures.queued,
+            capacity=figures.capacity,
+            queue_limit=figures.queue_limit,
             ready=self._thread is not None and self._thread.is_alive() and not self._stopping,
             extra=extra,
+            admission=figures,
         )
 
     def open(self, request: SynthesisRequest) -> EspeakStream:
@@ -163,12 +199,13 @@ class EspeakEngine:
             raise InvalidRequest("speed must be within 0.25..4")
         stream = EspeakStream(self, request, variant, language)
         with self._cond:
-            if len(self._active) < self.max_streams:
+            stream.ticket = self.admission.arrive(
+                stream, request.priority, request.max_wait_s
+            )  # or Overloaded
+            if stream.ticket.admitted_at is not None:
                 self._active.add(stream)
-            elif len(self._waiting) < self.queue_limit:
-                self._waiting.append(stream)
             else:
-                raise Overloaded(retry_after_s=0.5)
+                self._cond.notify()  # the worker's wait now ends at this one's max wait
         return stream
 
     async def register_voice(
@@ -200,44 +237,79 @@ class EspeakEngine:
             )
         return code
 
+    # -- admission (called with self._cond held) ---------------------------------------------------
+    def _cost_capacity(self) -> int:
+        return self.cost.capacity(self.admission.max_streams)
+
+    def _starts(self) -> int:
+        return self.cost.starts(self._first_waiting)
+
+    def _promote(self) -> None:
+        """Admit the queued streams the measured cost has room for now."""
+        for ticket in self.admission.admit_waiting():
+            self._active.add(ticket.item)
+            self._schedule(ticket.item)
+
+    def _expire(self) -> None:
+        for ticket in self.admission.expire():
+            ticket.item.abort(self.admission.expired_error(ticket))
+
+    def _until_expiry(self) -> float | None:
+        wait = self.admission.until_expiry()
+        return None if wait is None else wait + 0.001
+
     # -- scheduling (called with self._cond held) ------------------------------------------------
     def _schedule(self, stream: EspeakStream) -> None:
         if stream in self._active and not stream.scheduled and stream.has_work():
             stream.scheduled = True
-            queue = self._ready[stream.request.priority]
             if stream.samples_out == 0:
-                queue.appendleft(stream)  # first audio first: a new request waits one sentence at most
-            else:
-                queue.append(stream)
+                self._first_waiting += 1
+            entry = (
+                int(stream.request.priority),
+                stream.deadline(self.cost.ttfa_target_s),
+                next(self._order),
+                stream,
+            )
+            heapq.heappush(self._ready, entry)
             self._cond.notify()
 
     def _retire(self, stream: EspeakStream) -> None:
+        ticket = stream.ticket
         if stream in self._active:
             self._active.discard(stream)
-            if self._waiting:
-                promoted = self._waiting.popleft()
-                self._active.add(promoted)
-                self._schedule(promoted)
-        elif stream in self._waiting:
-            self._waiting.remove(stream)
+            if ticket is not None:
+                self.admission.leave(ticket)
+            self._promote()
+        elif ticket is not None:
+            self.admission.leave(ticket)  # cancelled while queued
 
     def _next_ready(self) -> EspeakStream | None:
-        for priority in Priority:
-            if self._ready[priority]:
-                return self._ready[priority].popleft()
-        return None
+        if not self._ready:
+            return None
+        stream = heapq.heappop(self._ready)[3]
+        if stream.samples_out == 0:
+            self._first_waiting -= 1
+        return stream
+
+    def _generating(self) -> int:
+        """Streams with a sentence to synthesise, the one about to be served included."""
+        return 1 + len(self._ready)
 
     # -- the worker thread ------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
             with self._cond:
+                self._expire()
                 stream = self._next_ready()
                 while stream is None and not self._stopping:
-                    self._cond.wait()
+                    self._cond.wait(self._until_expiry())
+                    self._expire()
                     stream = self._next_ready()
                 if stream is None:
                     return
+                first, generating = stream.samples_out == 0, self._generating()
                 piece = stream.take_piece()
+            self._piece = None
             try:
                 if piece is not None and not stream.stopped:
                     self._speak(stream, *piece)
@@ -246,11 +318,14 @@ class EspeakEngine:
             except Exception as exc:  # a failed request must not take the worker down
                 stream.abort(exc if isinstance(exc, EngineError) else EngineError(f"espeak: {exc}"))
             with self._cond:
+                if self._piece is not None:
+                    self.cost.piece(*self._piece, generating, first)
                 stream.scheduled = False
                 if stream.stopped:
                     self._retire(stream)
                 else:
                     self._schedule(stream)
+                self._promote()  # the cost measured may admit more now
 
     def _speak(self, stream: EspeakStream, segment: TextSegment, start: int, end: int) -> None:
         assert self._lib is not None
@@ -262,8 +337,24 @@ class EspeakEngine:
         if not stream.stopped:
             more_may_follow = stream.has_pieces() or not stream.text_closed
             call.finish(pause_after(text) if more_may_follow else 0)
-        self._synth_s += time.perf_counter() - began
-        self._audio_s += (call.produced - call.origin) / SAMPLE_RATE
+        synth_s, audio_s = time.perf_counter() - began, (call.produced - call.origin) / SAMPLE_RATE
+        self._synth_s += synth_s
+        self._audio_s += audio_s
+        self._piece = (synth_s, audio_s)
+
+
+def _calibration(lib: Espeak) -> tuple[float, float]:
+    """(synthesis seconds, audio seconds) of one sentence spoken alone."""
+    samples = 0
+
+    def count(pcm: npt.NDArray[np.int16], words: list[WordEvent]) -> bool:
+        nonlocal samples
+        samples += len(pcm)
+        return False
+
+    began = time.perf_counter()
+    lib.synthesize(CALIBRATION_TEXT, "en-us", BASE_RATE_WPM, count)
+    return time.perf_counter() - began, samples / lib.sample_rate
 
 
 def _warmed_library() -> Espeak:
@@ -286,7 +377,9 @@ class EspeakStream(SynthesisStream):
         frames = request.forced_frames or request.max_frames
         self.limit_samples = frames * SAMPLES_PER_FRAME if frames else None
         self.channel = ChunkChannel()
+        self.ticket: Ticket[EspeakStream] | None = None  # its admission (set by the engine's open)
         self.samples_out = 0  # utterance samples sent so far (worker thread)
+        self.first_audio_at: float | None = None  # monotonic time of its first samples
         self.scheduled = False  # in the ready queue or being served (under the engine's lock)
         self.stopped = False  # cancelled, failed, finished or at its length limit
         self._engine = engine
@@ -319,6 +412,13 @@ class EspeakStream(SynthesisStream):
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
 
+    def queue_position(self) -> QueuePosition | None:
+        with self._engine._cond:
+            return None if self.ticket is None else self._engine.admission.position(self.ticket)
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else self.ticket.waited_s
+
     # -- worker side --------------------------------------------------------------------------------
     def has_work(self) -> bool:
         if self.stopped:
@@ -342,7 +442,17 @@ class EspeakStream(SynthesisStream):
     def reached_limit(self) -> bool:
         return self.limit_samples is not None and self.samples_out >= self.limit_samples
 
+    def deadline(self, ttfa_target_s: float) -> float:
+        """When it needs more audio (monotonic): its listener runs dry then, or its first audio
+        is due."""
+        if self.first_audio_at is None:
+            admitted = self.ticket.admitted_at if self.ticket is not None else None
+            return (time.monotonic() if admitted is None else admitted) + ttfa_target_s
+        return self.first_audio_at + self.samples_out / SAMPLE_RATE
+
     def emit(self, samples: npt.NDArray[np.float32], words: tuple[WordTiming, ...] = ()) -> None:
+        if len(samples) and self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
         if len(samples) or words:
             self.channel.put(AudioChunk(self.request_id, samples, self.samples_out, words))
             self.samples_out += len(samples)

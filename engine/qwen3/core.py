@@ -86,7 +86,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            outs = self._process_aborts()
+            outs = self._process_aborts() + self.scheduler.expire()
         outs += self._process_text()
         with self._lock:
             plan = self.scheduler.schedule()
@@ -183,13 +183,19 @@ class EngineCore:
         return self._thread is not None and self._thread.is_alive()
 
     def _idle(self) -> bool:
-        return not (self._stopping or self._aborts or self._text or self.scheduler.has_work())
+        return not (
+            self._stopping or self._aborts or self._text or self.scheduler.has_work() or self._expiry_due()
+        )
+
+    def _expiry_due(self) -> bool:
+        """A request queued for admission has waited its max wait: a step refuses it."""
+        return self.scheduler.until_expiry() == 0.0
 
     def _loop(self) -> None:
         while True:
             with self._wake:
                 while self._idle():
-                    self._wake.wait()
+                    self._wake.wait(self.scheduler.until_expiry())
                 if self._stopping:
                     return
                 inputs, steps = self._inputs, self.steps
@@ -198,5 +204,5 @@ class EngineCore:
             if self.steps == steps and not outs:
                 # nothing could run (e.g. every Code2Wav row is held): sleep until an input arrives
                 with self._wake:
-                    while not self._stopping and self._inputs == inputs:
-                        self._wake.wait()
+                    while not self._stopping and self._inputs == inputs and not self._expiry_due():
+                        self._wake.wait(self.scheduler.until_expiry())

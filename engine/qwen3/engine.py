@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,15 @@ import numpy.typing as npt
 import torch
 
 from engine.api import (
+    AdmissionFigures,
     AudioChunk,
     ChunkListener,
     EngineError,
     EngineInfo,
     EngineLoad,
     InvalidRequest,
+    Overloaded,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -145,6 +148,7 @@ class Qwen3Stream(SynthesisStream):
         # a forced length (benchmarks) is the utterance's total: its segments are held until the text
         # is closed, then the frames are shared among them by characters
         self._held: list[TextSegment] | None = [] if request.forced_frames is not None else None
+        self.ticket: Any = None  # its engine.admission.Ticket (set by the engine's open)
 
     def push(self, segment: TextSegment) -> None:
         if self._closed:
@@ -175,6 +179,15 @@ class Qwen3Stream(SynthesisStream):
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
+
+    def queue_position(self) -> QueuePosition | None:
+        ticket = self.ticket
+        if ticket is None or not ticket.queued:
+            return None
+        return self._engine.core.run_locked(lambda s: s.admission.position(ticket))  # type: ignore[return-value]
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else float(self.ticket.waited_s)
 
 
 class Qwen3Engine:
@@ -229,9 +242,11 @@ class Qwen3Engine:
             layout = KVCacheLayout(ec.kv_slots, max_len, bytes_per_token)
         else:
             layout = KVCacheLayout.from_budget(
-                ec.kv_budget_bytes, bytes_per_token, max_len + 1, sc.codec_slots
+                ec.kv_budget_bytes, bytes_per_token, max_len + 1, sc.codec_slots or None
             )
             layout = KVCacheLayout(layout.num_slots, max_len, bytes_per_token)
+        sc = sc.sized(layout.num_slots)
+        self.econfig = ec = replace(ec, scheduler=sc)  # its sizes as built
         self.runner = Runner(
             talker,
             codec,
@@ -305,7 +320,7 @@ class Qwen3Engine:
         self._streams.clear()
 
     def load(self) -> EngineLoad:
-        def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float]]:
+        def snapshot(s: Scheduler) -> tuple[int, int, dict[str, float], AdmissionFigures]:
             figures = s.kv.stats()
             ttfa = s.ttfa_p50_s()
             if ttfa is not None:
@@ -315,9 +330,9 @@ class Qwen3Engine:
             figures["ttfa_samples"] = float(s.ttfa_samples)
             figures["requests_finished"] = float(s.finished)
             figures.update(s.leads.snapshot(s.clock()))
-            return s.num_active, s.num_queued, figures
+            return s.num_active, s.num_queued, figures, s.admission.figures()
 
-        active, queued, kv = self.core.run_locked(snapshot)  # type: ignore[misc]
+        active, queued, kv, admission = self.core.run_locked(snapshot)  # type: ignore[misc]
         extra = dict(kv)
         extra["active_streams"] = float(active)
         extra["queued_requests"] = float(queued)
@@ -338,10 +353,11 @@ class Qwen3Engine:
         return EngineLoad(
             active=active,
             queued=queued,
-            capacity=self.econfig.max_streams,
-            queue_limit=self.econfig.scheduler.queue_limit,
+            capacity=admission.capacity,
+            queue_limit=admission.queue_limit,
             ready=self._ready,
             extra=extra,
+            admission=admission,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -408,6 +424,7 @@ class Qwen3Engine:
             arrival_time=self.scheduler.clock(),
             ttfa_target_s=self.econfig.scheduler.ttfa_target_s,
             sampling=self._sampling(request),
+            max_wait_s=request.max_wait_s,
         )
         stream = Qwen3Stream(self, request, voice, ChunkChannel())
         self._streams[request.request_id] = stream
@@ -416,6 +433,7 @@ class Qwen3Engine:
         except Exception:
             del self._streams[request.request_id]
             raise
+        stream.ticket = state.ticket
         return stream
 
     def _push(self, stream: Qwen3Stream, segment: TextSegment, forced_frames: int | None = None) -> None:
@@ -564,6 +582,8 @@ class Qwen3Engine:
                     final=True,
                 ),
             )
+        elif o.status == RequestStatus.FINISHED_ERROR and o.retry_after_s is not None:
+            batch.fail(stream.channel, Overloaded(o.error or "engine at capacity", o.retry_after_s))
         elif o.status == RequestStatus.FINISHED_ERROR:
             batch.fail(stream.channel, EngineError(o.error or "synthesis failed"))
         else:

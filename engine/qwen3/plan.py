@@ -133,3 +133,4 @@ class RequestOutput:
     finished: bool = False  # the request has ended (see status)
     status: Any = None  # request.RequestStatus after this step
     error: str | None = None
+    retry_after_s: float | None = None  # the error is a refusal: overloaded, retry after this long

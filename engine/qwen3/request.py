@@ -83,6 +83,9 @@ class Request:
     error: str | None = None
     next_chunk_index: int = -1  # the chunk whose size next_chunk_frames holds (scheduler's memo)
     next_chunk_frames: int = 0
+    max_wait_s: float | None = None  # the longest it may wait for admission (engine.api.SynthesisRequest)
+    ticket: Any = None  # its engine.admission.Ticket, while the scheduler knows it
+    retry_after_s: float | None = None  # refused: the error is an overload, retry after this long
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -114,6 +117,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def admitted(self) -> bool:
+        """Past admission (engine.admission): it may take a Code2Wav row and a talker slot."""
+        return self.ticket is None or self.ticket.admitted_at is not None
 
     def sort_key(self) -> tuple[int, float, float]:
         """Admission order: priority class, then the earliest deadline, then arrival."""

@@ -1,5 +1,7 @@
 """Continuous batching for the talker and Code2Wav: which rows run in the next step (no torch).
 
+A new request is first admitted by measured cost (engine.qwen3.capacity: the step time measured by
+batch size, against a frame's audio), or waits in engine.admission's bounded queue, or is refused.
 Every step:
 1. admission: waiting requests take a free talker slot (and a Code2Wav row on first admission),
    interactive before bulk, then the earliest deadline; an interactive request may preempt a
@@ -20,9 +22,11 @@ import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.admission import Admission
+from engine.api import ChunkSchedule, Priority
+from engine.qwen3.capacity import HEADROOM, INITIAL_STREAMS, StepCapacity
 from engine.qwen3.delivery_leads import DeliveryLeads
 from engine.qwen3.kv_cache import KVCacheManager, SlotPool
 from engine.qwen3.plan import (
@@ -51,14 +55,22 @@ _FINISHED = RequestStatus.FINISHED_STOPPED  # this status and the ones after it 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """The scheduler's settings; `cadence serve --scheduler FIELD=JSON` sets any of them."""
+    """The scheduler's settings; `cadence serve --scheduler FIELD=JSON` sets any of them. The four
+    sizes that may be 0 follow the talker slots the KV budget holds (`sized`)."""
 
-    max_batch: int = 64  # rows sampling a frame per step (decode rows + prefill chunks)
-    max_tokens_per_step: int = 512  # decode rows count one token each; prefill fills the rest
+    max_batch: int = (
+        64  # rows sampling a frame per step (decode rows + prefill chunks); 0: min(streams, slots)
+    )
+    max_tokens_per_step: int = 512  # decode rows count one token each; prefill fills the rest; 0: batch + 512
     max_prefill_chunk: int = 256  # positions of one request's prompt per step
-    codec_slots: int = 64  # Code2Wav state rows = requests active at once (capacity)
-    queue_limit: int = 256  # requests waiting beyond the active ones; more -> Overloaded
-    max_codec_rows: int = 64  # Code2Wav rows per step
+    codec_slots: int = 64  # Code2Wav state rows = requests active at once at most; 0: one per talker slot
+    queue_limit: int = 256  # requests waiting for admission; more -> Overloaded
+    # admission by measured cost (engine.qwen3.capacity): the step predicted for the admitted
+    # streams stays within this share of a frame's audio; `initial_streams` are admitted before
+    # a measured step says otherwise
+    headroom: float = HEADROOM
+    initial_streams: int = INITIAL_STREAMS
+    max_codec_rows: int = 64  # Code2Wav rows per step; 0: the batch
     # rows per step whose chunk goes out below its scheduled size because the listener's buffer runs
     # low. Beyond these, late rows wait a step and grow: under overload, every late stream flushing
     # one frame per step would keep Code2Wav at its least efficient shape, which keeps the streams
@@ -85,11 +97,27 @@ class SchedulerConfig:
     preempt_bulk: bool = True  # interactive requests may take a bulk request's talker slot
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.max_tokens_per_step < 1 or self.max_prefill_chunk < 1:
-            raise ValueError("max_batch, max_tokens_per_step and max_prefill_chunk must be positive")
+        if self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be positive")
+        sizes = (self.max_batch, self.max_tokens_per_step, self.codec_slots, self.max_codec_rows)
+        if min(sizes) < 0:
+            raise ValueError("max_batch, max_tokens_per_step, codec_slots and max_codec_rows must be >= 0")
         if not self.codec_frame_buckets or min(self.codec_frame_buckets) != 1:
             raise ValueError("codec_frame_buckets must contain 1")
         self.codec_frame_buckets = tuple(sorted(set(self.codec_frame_buckets)))
+
+    def sized(self, talker_slots: int) -> SchedulerConfig:
+        """A copy whose sizes left at 0 follow the talker slots: a stream per slot, a decode row for
+        every stream a slot can hold, the step's token budget room for new prompts beside them."""
+        streams = self.codec_slots or talker_slots
+        batch = self.max_batch or min(streams, talker_slots)
+        return replace(
+            self,
+            codec_slots=streams,
+            max_batch=batch,
+            max_codec_rows=self.max_codec_rows or batch,
+            max_tokens_per_step=self.max_tokens_per_step or batch + 512,
+        )
 
     def override(self, items: Iterable[str]) -> SchedulerConfig:
         """Set fields from `FIELD=JSON` strings (`max_early_codec_rows=96`, `preempt_bulk=false`),
@@ -136,6 +164,10 @@ class Scheduler:
         eos_code: int = EOS_CODE,
         codec_delivery_steps: int = 0,
     ) -> None:
+        if 0 in (config.max_batch, config.max_tokens_per_step, config.codec_slots, config.max_codec_rows):
+            raise ValueError(
+                "a scheduler needs its sizes: SchedulerConfig.sized(talker slots) resolves the 0s"
+            )
         self.config = config
         self.eos_code = eos_code  # the model's codebook-0 id that ends a segment (not a frame)
         # steps between a Code2Wav chunk's launch and its audio: the runner's (1 when it defers)
@@ -164,13 +196,24 @@ class Scheduler:
         self._caught_up: list[Request] = []  # requests with no frame pending at this step's Code2Wav plan
         self.leads = DeliveryLeads()
         self.finished = 0  # requests ended, any status
+        self.capacity = StepCapacity(FRAME_S, config.headroom, initial_streams=config.initial_streams)
+        self.admission: Admission[Request] = Admission(
+            config.codec_slots,
+            config.queue_limit,
+            capacity=lambda: self.capacity.capacity(self.config.codec_slots),
+            starts=lambda: self.capacity.starts(
+                len(self.running), len(self._awaiting_first), self.config.max_tokens_per_step
+            ),
+            clock=clock,
+        )
+        self._awaiting_first: set[str] = set()  # admitted with text, no first audio yet
+        self._measured_rows = 0  # rows of the last step, when the next one follows at once
 
     # -- inputs (called between steps) -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if len(self.requests) >= self.config.codec_slots + self.config.queue_limit:
-            raise Overloaded(retry_after_s=max(0.5, self.step_time_s * 50))
+        request.ticket = self.admission.arrive(request, request.priority, request.max_wait_s)  # or Overloaded
         self.requests[request.request_id] = request
         if request.segments:
             self._start_next_segment(request)
@@ -215,14 +258,41 @@ class Scheduler:
                 outs.append(self._finish(r, RequestStatus.FINISHED_ERROR))
         return outs
 
+    def expire(self) -> list[RequestOutput]:
+        """Requests still queued for admission when their own max wait passed: refused."""
+        outs = []
+        for ticket in self.admission.expire():
+            r = ticket.item
+            if r.request_id in self.requests and not r.is_finished:
+                error = self.admission.expired_error(ticket)
+                r.error, r.retry_after_s = str(error), error.retry_after_s
+                outs.append(self._finish(r, RequestStatus.FINISHED_ERROR))
+        return outs
+
+    def until_expiry(self) -> float | None:
+        """Seconds until a queued request's max wait passes (None: none waits with one)."""
+        return self.admission.until_expiry()
+
+    def _promote(self) -> None:
+        """Admit the queued requests the measured cost has room for now."""
+        for ticket in self.admission.admit_waiting():
+            r = ticket.item
+            r.arrival_time = self.clock()  # its first-audio deadline and TTFA count from admission
+            if r.status == RequestStatus.WAITING and r.current is not None:
+                self.waiting.append(r)
+                self._awaiting_first.add(r.request_id)
+
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         now = self.clock()
         if self._last_schedule is not None and now - self._last_schedule < IDLE_GAP_S:
             self.step_time_s += 0.1 * (now - self._last_schedule - self.step_time_s)
+            if self._measured_rows:  # the step before ran straight into this one: its cost
+                self.capacity.step(self._measured_rows, now - self._last_schedule)
         self._last_schedule = now
         self._step += 1
         plan = StepPlan(step=self._step)
+        self._promote()
         self._admit()
         budget = self.config.max_tokens_per_step
         if len(self.running) > min(self.config.max_batch, budget):  # who goes first matters only then
@@ -261,6 +331,8 @@ class Scheduler:
             budget -= n
             rows += 1
             plan.num_prefill_tokens += n
+            if start == seg.copied and not r.codes:  # a new stream's prompt: what its first audio waits for
+                self.capacity.prompt(seg.context_target - seg.copied)
         plan.codec = self._schedule_codec(now)
         for c in plan.codec:
             r = self.requests[c.request_id]
@@ -323,6 +395,7 @@ class Scheduler:
 
         rows = plan.sampling_rows
         self._frames_per_step += 0.1 * (len(rows) - self._frames_per_step)
+        self._measured_rows = len(rows) if self.running else 0
         codes = output.codes
         if len(codes) != len(rows):
             raise ValueError(f"runner returned {len(codes)} frames for {len(rows)} rows")
@@ -417,6 +490,7 @@ class Scheduler:
             if first is None:
                 r.first_audio_time = now
                 ttfa((now, now - r.arrival_time))
+                self._awaiting_first.discard(rid)
 
     # -- load ---------------------------------------------------------------------------------
     @property
@@ -465,7 +539,10 @@ class Scheduler:
             self._reuse_prefix(r)
         else:
             r.status = RequestStatus.WAITING
-            self.waiting.append(r)
+            if r.admitted:  # else it joins once admitted (_promote)
+                self.waiting.append(r)
+                if r.first_audio_time is None:
+                    self._awaiting_first.add(r.request_id)
 
     def _can_admit(self, r: Request) -> bool:
         if r.codec_slot is None and self.codec_pool.num_free == 0:
@@ -583,7 +660,14 @@ class Scheduler:
             self.leads.stream_done(self.clock(), r.min_lead_s)
         self.requests.pop(r.request_id, None)
         self.finished += 1
-        return RequestOutput(r.request_id, finished=True, status=status, error=r.error)
+        self._awaiting_first.discard(r.request_id)
+        if r.ticket is not None:
+            self.admission.leave(r.ticket)
+            r.ticket = None
+            self._promote()
+        return RequestOutput(
+            r.request_id, finished=True, status=status, error=r.error, retry_after_s=r.retry_after_s
+        )
 
     def _snap(self, frames: int) -> int:
         """The largest codec bucket of at most `frames` frames (0: none); the buckets are sorted."""

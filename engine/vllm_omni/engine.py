@@ -11,9 +11,11 @@ order, so sending ahead would only save one round trip. Where the WebSocket rout
 WebSocket stream refuses other speeds).
 
 Capacity. At most `max_streams` segments are generating upstream at once (set it at or below the
-server's `--max-num-seqs`: vLLM-Omni crashes instead of queueing beyond it); further streams wait
-for a slot in priority order, a stream already speaking first; beyond `queue_limit` waiting,
-`open()` raises Overloaded.
+server's `--max-num-seqs`: vLLM-Omni crashes instead of queueing beyond it). Streams are admitted
+by the upstream's measured cost (engine.admission): each segment's wall time over its audio is
+measured against the segments generating at once, and once that passes `UPSTREAM_HEADROOM` at some
+concurrency, fewer streams are admitted than `max_streams`. The rest wait in a bounded queue
+(`queue_limit`, FIFO within priority), or `open()` raises Overloaded.
 
 Failures. A cancel closes the upstream socket (or HTTP response) at once. Upstream error messages
 and HTTP statuses map to engine.api errors. A connection lost before a segment's first audio is
@@ -50,6 +52,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from engine.admission import Admission, LoadCurve, Ticket
 from engine.api import (
     AudioChunk,
     ChunkListener,
@@ -60,6 +63,7 @@ from engine.api import (
     InvalidRequest,
     Overloaded,
     Priority,
+    QueuePosition,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -297,6 +301,7 @@ def aligned_words(segment: TextSegment, start_sample: int, stamps: list[dict[str
 
 
 # -- capacity --------------------------------------------------------------------------------------
+UPSTREAM_HEADROOM = 0.8  # a segment's wall time over its audio, at most, for the streams admitted
 
 
 class _Slots:
@@ -387,6 +392,10 @@ class VllmOmniEngine:
         self.word_timestamps = self.config.word_timestamps  # off once the upstream says it has no aligner
         self.reconnects = 0
         self._slots = _Slots(self.config.max_streams)
+        self.cost = LoadCurve(probe_factor=1.25, probe_rows=2)  # upstream RTF by segments generating
+        self.admission: Admission[VllmOmniStream] = Admission(
+            self.config.max_streams, self.config.queue_limit, capacity=self._measured_capacity
+        )
         self._streams: set[VllmOmniStream] = set()
         self._cloned: dict[str, _Voice] = {}
         self._http: httpx.AsyncClient | None = None
@@ -427,11 +436,13 @@ class VllmOmniEngine:
             self._http = None
 
     def load(self) -> EngineLoad:
+        figures = self.admission.figures()
         return EngineLoad(
             active=self._slots.active,
-            queued=self._slots.queued(),
-            capacity=self.config.max_streams,
-            queue_limit=self.config.queue_limit,
+            queued=figures.queued + self._slots.queued(),
+            capacity=figures.capacity,
+            queue_limit=figures.queue_limit,
+            admission=figures,
             ready=self._running and self.health.up,
             extra={
                 "upstream_up": float(self.health.up),
@@ -450,8 +461,6 @@ class VllmOmniEngine:
                 f"vLLM-Omni upstream unavailable ({self.health.problem})",
                 retry_after_s=max(0.5, self.health.next_probe_at - time.monotonic()),
             )
-        if len(self._streams) >= self.config.max_streams + self.config.queue_limit:
-            raise Overloaded("vLLM-Omni upstream at capacity", retry_after_s=0.5)
         if not 0.25 <= request.speed <= 4.0:
             raise InvalidRequest("speed must be within 0.25..4")
         if request.instructions and len(request.instructions) > MAX_INSTRUCTIONS:
@@ -459,8 +468,12 @@ class VllmOmniEngine:
         self._check_language(request.language)
         fields = {**self._voice_fields(request), **self._common_fields(request)}
         stream = VllmOmniStream(self, request, fields)
+        stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
         self._streams.add(stream)
-        stream.start()
+        if stream.ticket.admitted_at is not None:
+            stream.start()
+        elif request.max_wait_s is not None:
+            self._arm_expiry()
         return stream
 
     async def register_voice(
@@ -606,6 +619,34 @@ class VllmOmniEngine:
 
     def forget(self, stream: VllmOmniStream) -> None:
         self._streams.discard(stream)
+        if stream.ticket is not None and not stream.ticket.done:
+            self.admission.leave(stream.ticket)
+            for ticket in self.admission.admit_waiting() if self._running else ():
+                ticket.item.start()
+
+    # -- admission ---------------------------------------------------------------------------------------
+    def _measured_capacity(self) -> int:
+        """`max_streams` until a concurrency is measured over the headroom, then what the measured
+        cost admits."""
+        if all(cost <= UPSTREAM_HEADROOM for _, cost in self.cost.curve()):
+            return self.config.max_streams
+        return self.cost.rows_within(UPSTREAM_HEADROOM, self.config.max_streams)
+
+    def measured(self, generating: int, wall_s: float, audio_s: float) -> None:
+        """A segment took `wall_s` for `audio_s` of audio with `generating` segments upstream."""
+        if audio_s > 0:
+            self.cost.observe(generating, wall_s / audio_s)
+
+    def _expire(self) -> None:
+        for ticket in self.admission.expire():
+            ticket.item.abort(self.admission.expired_error(ticket))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._running:
+            asyncio.get_running_loop().call_later(wait + 0.001, self._expire)
 
 
 def _voice_names(data: Any) -> tuple[str, ...]:
@@ -655,6 +696,7 @@ class VllmOmniStream(SynthesisStream):
         self._stopped = False
         self._ws: ClientConnection | None = None
         self._ws_config: tuple[str, bool] | None = None  # (language, word_timestamps) sent
+        self.ticket: Ticket[VllmOmniStream] | None = None  # its admission (set by the engine's open)
 
     # -- SynthesisStream -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -682,6 +724,8 @@ class VllmOmniStream(SynthesisStream):
         self._drop_connection()
         if self.task is not None:
             self.task.cancel()
+        else:  # still queued: no task of its own to leave the engine
+            self._engine.forget(self)
 
     def listen(self, listener: ChunkListener) -> bool:
         self.channel.listen(listener)
@@ -690,6 +734,12 @@ class VllmOmniStream(SynthesisStream):
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self.channel.__aiter__()
 
+    def queue_position(self) -> QueuePosition | None:
+        return None if self.ticket is None else self._engine.admission.position(self.ticket)
+
+    def queue_wait_s(self) -> float:
+        return 0.0 if self.ticket is None else self.ticket.waited_s
+
     def abort(self, error: EngineError) -> None:
         if not self._stopped:
             self._stopped = True
@@ -697,6 +747,8 @@ class VllmOmniStream(SynthesisStream):
             self._drop_connection()
             if self.task is not None:
                 self.task.cancel()
+            else:  # still queued: no task of its own to leave the engine
+                self._engine.forget(self)
 
     # -- the stream's task -------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -711,7 +763,12 @@ class VllmOmniStream(SynthesisStream):
                 await self._engine._slots.acquire(self.request.priority, resuming=self.samples_out > 0)
                 try:
                     while self._segments:
+                        began, samples = time.monotonic(), self.samples_out
+                        generating = self._engine._slots.active
                         await self._speak(self._segments[0])
+                        self._engine.measured(
+                            generating, time.monotonic() - began, (self.samples_out - samples) / SAMPLE_RATE
+                        )
                         self._segments.popleft()
                 finally:
                     self._engine._slots.release()

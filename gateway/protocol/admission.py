@@ -54,6 +54,7 @@ class Admission(ProtocolState):
         request: SynthesisRequest | None = None,
         open_languages: tuple[str, ...] = (),
         forced_frames: int | None = None,
+        max_wait_ms: int | None = None,
     ) -> Utterance:
         stream = self._allocate_stream()
         if request is None:
@@ -63,6 +64,7 @@ class Admission(ProtocolState):
                 language=normalise_language(self.language),
                 instructions=self.instructions,
                 forced_frames=forced_frames,
+                max_wait_s=None if max_wait_ms is None else max_wait_ms / 1000,
             )
         else:
             request = SynthesisRequest(
@@ -70,6 +72,7 @@ class Admission(ProtocolState):
                 voice=request.voice,
                 language=request.language,
                 instructions=request.instructions,
+                max_wait_s=request.max_wait_s,
             )
         utt = Utterance(
             utterance_id=uid,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.api import AudioChunk
-from gateway.errors import error_code, public_message
-from gateway.messages import UtteranceStarted
+from engine.api import AudioChunk, QueuePosition
+from gateway.errors import error_code, public_message, retry_after_s
+from gateway.messages import UtteranceQueued, UtteranceStarted
 from gateway.packets import is_mono_float32
 from gateway.protocol.actions import Action, Purge, SendAudio, SendControl
 from gateway.protocol.fences import Fences
@@ -18,7 +18,8 @@ from gateway.protocol.utterance import RECEIVING, Status
 class EngineFeedback(Fences):
     """The part of `SessionProtocol` that takes what the engine reports."""
 
-    def open_succeeded(self, utterance_id: str) -> list[Action]:
+    def open_succeeded(self, utterance_id: str, queued: QueuePosition | None = None) -> list[Action]:
+        """The engine took the utterance; `queued`: it waits for admission there first."""
         utt = self._active.get(utterance_id)
         if utt is None:
             return []
@@ -31,7 +32,15 @@ class EngineFeedback(Fences):
         if utt.resumed_from is not None:
             started["resumed_from"] = utt.resumed_from
             started["text_offset"] = utt.text_offset
-        return [SendControl(started)]
+        if queued is None:
+            return [SendControl(started)]
+        waiting: UtteranceQueued = {
+            "type": "utterance.queued",
+            "utterance_id": utterance_id,
+            "position": queued.position,
+            "expected_wait_ms": round(1000 * queued.expected_wait_s),
+        }
+        return [SendControl(started), SendControl(waiting)]
 
     def open_failed(self, utterance_id: str, exc: BaseException) -> list[Action]:
         """The engine refused the utterance: forget it (the id may be used again)."""
@@ -40,7 +49,7 @@ class EngineFeedback(Fences):
             self._streams.pop(utt.stream, None)
             self._release_quota(utt)
         return [
-            self._error(error_code(exc), public_message(exc), utterance_id),
+            self._error(error_code(exc), public_message(exc), utterance_id, retry_after_s(exc)),
             *self._maybe_finish_session(),
         ]
 
@@ -105,6 +114,6 @@ class EngineFeedback(Fences):
         self._retire(utt)
         return [
             Purge(utt.stream),
-            self._error(error_code(exc), public_message(exc), utterance_id),
+            self._error(error_code(exc), public_message(exc), utterance_id, retry_after_s(exc)),
             *self._maybe_finish_session(),
         ]

@@ -176,7 +176,9 @@ class SessionProtocol(EngineFeedback, Admission):
                 raise ProtocolError("utterance_closed", f"utterance {uid!r} has ended", uid)
             self._check_can_open(uid, len(message.text), self.voice)
             self._take_quota(uid, len(message.text), now)
-            utt = self._new_utterance(uid, forced_frames=message.forced_frames)
+            utt = self._new_utterance(
+                uid, forced_frames=message.forced_frames, max_wait_ms=message.max_wait_ms
+            )
             utt.quota_held = self.quotas is not None
             out.append(OpenStream(uid, utt.request))
         elif utt.status is not Status.OPEN:

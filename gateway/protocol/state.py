@@ -139,10 +139,14 @@ class ProtocolState:
         self.closed = True
         return [Close(code, reason)]
 
-    def _error(self, code: ErrorCode, message: str, utterance_id: str | None = None) -> SendControl:
+    def _error(
+        self, code: ErrorCode, message: str, utterance_id: str | None = None, retry_after: float | None = None
+    ) -> SendControl:
         error: ErrorMessage = {"type": "error", "code": code, "message": message}
         if utterance_id is not None and _is_utf8(utterance_id):  # a lone surrogate cannot go on the wire
             error["utterance_id"] = utterance_id
+        if retry_after is not None:
+            error["retry_after_ms"] = round(1000 * retry_after)
         return SendControl(error)
 
 

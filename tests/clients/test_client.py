@@ -21,7 +21,14 @@ from clients.client import (
     decode_event,
     decode_packet,
 )
-from clients.loadtest_report import RequestRecord, headline, percentile, summarize, usd_per_m_chars
+from clients.loadtest_report import (
+    RequestRecord,
+    goodput_of_peak,
+    headline,
+    percentile,
+    summarize,
+    usd_per_m_chars,
+)
 
 RATE = 24_000
 PACKET = 480  # 20 ms
@@ -146,7 +153,7 @@ def test_point_figures_follow_the_definitions() -> None:
         RequestRecord(0, 100, 0.0, 4.0, None, None, 0, error="overloaded"),
     ]
     point = summarize(8, records, window=(1.0, 5.0))
-    assert point["requests"] == 3 and point["errors"] == 1
+    assert point["requests"] == 3 and point["errors"] == 0 and point["refused"] == 1
     assert point["ttfa_p50_ms"] == 200.0
     assert point["rtf_p50"] == 0.5 and point["rtf_p90"] == pytest.approx(0.9)
     assert point["underrun_streams_pct"] == pytest.approx(33.33, abs=0.01)
@@ -318,3 +325,104 @@ def test_pause_messages_become_typed_events() -> None:
     assert paused == Paused("u1", 500, "client", Word(1, "I", 350, 420, 6, 7), None, "Sure, I", " can")
     assert decode_event({"type": "utterance.unpaused", "utterance_id": "u1"}) == Unpaused("u1")
     assert isinstance(decode_event({**raw, "type": "utterance.interrupted"}), Interrupted)
+
+
+def test_queued_done_and_overloaded_events_carry_the_admission_figures() -> None:
+    from clients.client import Done, Error, Queued, decode_event
+
+    queued = decode_event(
+        {"type": "utterance.queued", "utterance_id": "u1", "position": 2, "expected_wait_ms": 900}
+    )
+    assert isinstance(queued, Queued) and (queued.position, queued.expected_wait_ms) == (2, 900)
+    done = decode_event(
+        {"type": "utterance.done", "utterance_id": "u1", "duration_ms": 10, "packets": 1, "queued_ms": 850}
+    )
+    assert done == Done("u1", 10, 1, 850)
+    plain = decode_event({"type": "utterance.done", "utterance_id": "u2", "duration_ms": 10, "packets": 1})
+    assert isinstance(plain, Done) and plain.queued_ms == 0
+    refused = decode_event({"type": "error", "code": "overloaded", "message": "m", "retry_after_ms": 1200})
+    assert refused == Error("overloaded", "m", None, 1200)
+    assert decode_event({"type": "error", "code": "internal", "message": "m"}) == Error("internal", "m")
+
+
+def test_admission_figures_are_in_the_gateways_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from engine.admission import QUEUE_WAIT_BOUNDS_S
+    from engine.api import AdmissionFigures, EngineLoad
+    from gateway.metrics import GatewayMetrics, admission_summary
+
+    counts = tuple(min(3, i) for i in range(len(QUEUE_WAIT_BOUNDS_S) + 1))
+    figures = AdmissionFigures(
+        capacity=5,
+        max_streams=8,
+        admitted=5,
+        queued=2,
+        queue_limit=4,
+        admitted_total=40,
+        queued_total=3,
+        refused={"queue_full": 7, "max_wait": 1, "wait_expired": 0},
+        wait_bounds_s=QUEUE_WAIT_BOUNDS_S,
+        wait_counts=counts,
+        wait_sum_s=1.5,
+        wait_p50_s=0.25,
+        wait_p90_s=0.8,
+    )
+    metrics = GatewayMetrics()
+    assert "cadence_engine_refusals" not in generate_latest(metrics.registry).decode()  # none observed yet
+    metrics.observe_engine(EngineLoad(active=5, queued=2, capacity=5, queue_limit=4, admission=figures))
+    lines = set(generate_latest(metrics.registry).decode().splitlines())
+    for line in (
+        "cadence_engine_capacity 5.0",
+        "cadence_engine_max_streams 8.0",
+        "cadence_engine_queue_depth 2.0",
+        "cadence_engine_queue_limit 4.0",
+        "cadence_engine_admitted_total 40.0",
+        "cadence_engine_queued_total 3.0",
+        'cadence_engine_refusals_total{reason="queue_full"} 7.0',
+        'cadence_engine_refusals_total{reason="max_wait"} 1.0',
+        'cadence_engine_refusals_total{reason="wait_expired"} 0.0',
+        'cadence_engine_queue_wait_seconds_bucket{le="0.025"} 1.0',
+        'cadence_engine_queue_wait_seconds_bucket{le="+Inf"} 3.0',
+        "cadence_engine_queue_wait_seconds_count 3.0",
+        "cadence_engine_queue_wait_seconds_sum 1.5",
+    ):
+        assert line in lines, line
+    summary = admission_summary(figures)
+    assert (
+        summary is not None
+        and summary["queue_wait_p90_ms"] == 800.0
+        and summary["refused"]["queue_full"] == 7
+    )
+    assert admission_summary(None) is None
+
+
+def test_a_queued_request_counts_from_its_admission_and_its_wait_apart() -> None:
+    at_once = record(ended=1.0, ttfa=0.10, duration=1.0, audio_s=2.0)
+    waited = RequestRecord(
+        0, 100, 2.0, 2.0, 2.0 + 3.05, 2.0 + 4.0, 0, queued=True, queued_s=3.0, answered_at=2.004
+    )
+    refused = RequestRecord(
+        0, 100, 0.0, 2.5, None, None, 0, "overloaded", answered_at=2.51, retry_after_s=4.0
+    )
+    failed = RequestRecord(0, 100, 0.0, 2.6, None, None, 0, "internal")
+    assert waited.ttfa_ms == pytest.approx(50.0) and waited.rtf == pytest.approx(0.5)
+    point = summarize(8, [at_once, waited, refused, failed], window=(1.0, 10.0))
+    assert (point["admitted"], point["queued"], point["refused"], point["errors"]) == (1, 1, 1, 1)
+    assert point["queue_wait_p50_ms"] == 3000.0 and point["ttfa_p90_ms"] == pytest.approx(95.0)
+    assert point["excess_answer_ms_p90"] == pytest.approx(9.4)  # 4 and 10 ms, interpolated
+    points = [dict(point), {**point, "audio_s_per_s": 2 * point["audio_s_per_s"]}]
+    goodput_of_peak(points)
+    assert [p["goodput_pct_of_peak"] for p in points] == [50.0, 100.0]
+
+
+def test_levels_may_follow_the_servers_capacity() -> None:
+    from clients.loadtest import resolve_level
+
+    assert resolve_level("256", None) == 256
+    assert resolve_level("capacity", 700) == 700 and resolve_level("1.5x", 700) == 1050
+    assert resolve_level(" 2x", 64) == 128
+    with pytest.raises(SystemExit):
+        resolve_level("2x", None)
+    with pytest.raises(ValueError):
+        resolve_level("lots", 64)

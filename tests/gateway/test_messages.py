@@ -191,3 +191,19 @@ def test_packet_header_layout_is_little_endian_12_bytes() -> None:
 def test_short_packet_is_rejected() -> None:
     with pytest.raises(ValueError):
         unpack_packet(b"\x01\x00")
+
+
+def test_max_wait_ms_on_the_first_append() -> None:
+    message = decode('{"type":"speak.append","utterance_id":"u","text":"hi","max_wait_ms":250}')
+    assert isinstance(message, SpeakAppend) and message.max_wait_ms == 250
+    assert (
+        encode_client(message)
+        == '{"type":"speak.append","utterance_id":"u","text":"hi","flush":false,"max_wait_ms":250}'
+    )
+    for bad in ('"soon"', "-5", "true"):
+        with pytest.raises(ProtocolError) as refused:
+            decode(
+                json.dumps({"type": "speak.append", "utterance_id": "u", "text": "hi"})[:-1]
+                + f',"max_wait_ms":{bad}}}'
+            )
+        assert refused.value.code == "invalid_message"

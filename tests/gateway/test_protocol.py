@@ -8,7 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.api import AudioChunk, EngineInfo, Overloaded, TextSegment, UnknownVoice, WordTiming
+from engine.api import (
+    AudioChunk,
+    EngineInfo,
+    Overloaded,
+    QueuePosition,
+    TextSegment,
+    UnknownVoice,
+    WordTiming,
+)
 from gateway.config import GatewayConfig
 from gateway.messages import unpack_packet
 from gateway.packets import Packet
@@ -44,6 +52,7 @@ class Harness:
         self.cancelled: list[str] = []
         self.closes: list[Close] = []
         self.refuse: dict[str, Exception] = {}
+        self.queued: dict[str, QueuePosition] = {}  # opens the engine queues
         self.actions: list[Action] = []
         self.offsets: dict[str, int] = {}
 
@@ -64,7 +73,7 @@ class Harness:
                 if a.utterance_id in self.refuse:
                     self.run(self.p.open_failed(a.utterance_id, self.refuse[a.utterance_id]))
                 else:
-                    self.run(self.p.open_succeeded(a.utterance_id))
+                    self.run(self.p.open_succeeded(a.utterance_id, self.queued.get(a.utterance_id)))
             elif isinstance(a, PushText):
                 self.pushed.setdefault(a.utterance_id, []).append(a.segment)
             elif isinstance(a, CloseText):
@@ -274,6 +283,44 @@ def test_overloaded_open_is_an_error_and_the_id_can_be_retried() -> None:
     del h.refuse["u1"]
     h.say("u1", "Hello.")
     assert h.of_type("utterance.started")[0]["utterance_id"] == "u1"
+
+
+def test_a_queued_open_is_announced_after_started_and_an_overload_says_when_to_retry() -> None:
+    h = Harness()
+    h.queued["u1"] = QueuePosition(3, 1.25)
+    h.say("u1", "Hello.")
+    started, queued = h.of_type("utterance.started")[0], h.of_type("utterance.queued")[0]
+    assert queued == {
+        "type": "utterance.queued",
+        "utterance_id": "u1",
+        "position": 3,
+        "expected_wait_ms": 1250,
+    }
+    assert h.control.index(started) < h.control.index(queued)
+    h.refuse["u2"] = Overloaded("busy", retry_after_s=2.4)
+    h.say("u2", "Hi.", end=False)
+    (error,) = [m for m in h.of_type("error") if m.get("utterance_id") == "u2"]
+    assert error["code"] == "overloaded" and error["retry_after_ms"] == 2400
+    h.refuse["u3"] = UnknownVoice("no such voice")
+    h.say("u3", "Hi.", end=False)
+    assert "retry_after_ms" not in [m for m in h.of_type("error") if m.get("utterance_id") == "u3"][0]
+
+
+def test_max_wait_ms_reaches_the_engine_request() -> None:
+    h = Harness()
+    h.send(type="speak.append", utterance_id="u1", text="Hi.", max_wait_ms=1500)
+    h.send(type="speak.append", utterance_id="u2", text="Hi.")
+    assert h.requests["u1"].max_wait_s == 1.5 and h.requests["u2"].max_wait_s is None
+    h.send(type="speak.append", utterance_id="u3", text="Hi.", max_wait_ms=-1)
+    assert h.errors()[-1] == ("invalid_message", "u3")
+
+
+def test_an_overload_mid_stream_says_when_to_retry() -> None:
+    h = Harness()
+    h.say("u1", "Hello.")
+    h.run(h.p.stream_failed("u1", Overloaded("still queued when max_wait_ms passed", retry_after_s=0.5)))
+    (error,) = h.of_type("error")
+    assert error["code"] == "overloaded" and error["retry_after_ms"] == 500
 
 
 def test_unknown_voice_open() -> None:

@@ -460,6 +460,7 @@ def _overloaded_codec_chunks(early_cap: int, n: int = 200) -> list[list[int]]:
         max_tokens_per_step=4 * n,
         max_early_codec_rows=early_cap,
         safety_margin_s=0.1,
+        initial_streams=n,  # every stream admitted before a step is measured: the overload comes after
     )
     for r in create_requests(n, prompt_len=2, max_frames=40):
         sched.add_request(r)

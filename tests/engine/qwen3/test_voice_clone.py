@@ -31,7 +31,15 @@ def engine(tmp_path_factory) -> Qwen3Engine:
         "cpu",
         torch.float32,
         engine_config(
-            max_streams=4, kv_slots=4, max_len=160, max_batch=4, enforce_eager=True, progress_bar=False
+            max_streams=4,
+            kv_slots=4,
+            max_len=160,
+            max_batch=4,
+            enforce_eager=True,
+            progress_bar=False,
+            # steps driven by hand on a CPU are far slower than a frame: admission would admit one
+            # stream at a time, and these tests are about streams opened together
+            headroom=1000.0,
         ),
     )
     eng._ready = True  # steps are driven by hand

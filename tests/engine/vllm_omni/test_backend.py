@@ -454,3 +454,27 @@ def test_ws_url_follows_the_scheme() -> None:
     assert VllmOmniConfig(upstream="http://h:8091/").ws_url == "ws://h:8091/v1/audio/speech/stream"
     assert VllmOmniConfig(upstream="https://h").ws_url == "wss://h/v1/audio/speech/stream"
     assert FAST.upstream.startswith("http://")
+
+
+async def test_a_slow_upstream_admits_fewer_streams_than_its_slots(sim: RunningSimulator) -> None:
+    """Segments measured slower than real time at two generating at once: admission falls below
+    `max_streams`, and the next stream waits in the queue (with its position) instead."""
+    sim.options.speed = 10.0
+    engine = engine_for(sim, max_streams=4, queue_limit=4)
+    await engine.start()
+    try:
+        for _ in range(3):
+            engine.measured(2, 2.0, 1.0)  # RTF 2 at two segments upstream
+        assert engine.load().capacity < 4
+        first = [engine.open(SynthesisRequest(f"r{i}")) for i in range(engine.load().capacity)]
+        waiting = engine.open(SynthesisRequest("waits"))
+        position = waiting.queue_position()
+        assert position is not None and position.position == 1
+        assert engine.load().admission.queued == 1  # type: ignore[union-attr]
+        for stream in [*first, waiting]:
+            stream.push(TextSegment("A sentence for the upstream.", 0))
+            stream.close_text()
+        results = await asyncio.gather(*(collect(s) for s in [*first, waiting]))
+        assert all(r[-1].final for r in results) and waiting.queue_wait_s() > 0
+    finally:
+        await engine.stop()

@@ -22,13 +22,13 @@ from cadence.engines import EngineOptions, build_engine
 from engine.api import (
     AudioChunk,
     EngineError,
+    Overloaded,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
     UnknownVoice,
     pcm16,
 )
-from engine.bridge import LoopChunkChannel
 from engine.workers import (
     WorkerPoolEngine,
     WorkerSpec,
@@ -200,8 +200,9 @@ async def test_a_loop_pass_of_worker_messages_crosses_the_pipe_in_order_first_ch
 
     # the gateway side takes a batch apart in order
     pool = WorkerPoolEngine([WorkerSpec(lambda: None)])  # type: ignore[arg-type]
-    channel = LoopChunkChannel()
-    pool._channels[0] = channel
+    stream = WorkerStream(pool, 0, SynthesisRequest("u"))
+    pool._streams[0] = stream
+    channel = stream.channel
     pool._on_message(_Worker(0, None, None, 1), batches[1])  # type: ignore[arg-type]
     assert [c.sample_offset async for c in channel] == [0, 24, 48]
 
@@ -321,7 +322,39 @@ def gateway_side_messages(gateway_end: Any, worker_end: Any) -> list[tuple[Any, 
             gateway_end.send(message)
 
     gateway_end.send(("open", 9, SynthesisRequest(request_id="w")))
-    stream = WorkerStream(None, Worker(), 9, "w")  # type: ignore[arg-type]
+    stream = WorkerStream(None, 9, SynthesisRequest(request_id="w"))  # type: ignore[arg-type]
+    stream.worker = Worker()  # type: ignore[assignment]
     stream.set_word_alignment("sync")
     stream.push(TextSegment("Hello.", 0))
     return [worker_end.recv() for _ in range(3)]
+
+
+async def test_admission_holds_per_worker_and_the_excess_waits_in_the_pool() -> None:
+    """Each worker admits one stream (its engine's bound): the pool sends each worker one, holds
+    the next (its text too) in its queue until a worker has room, and refuses past its queue."""
+    factory = functools.partial(build_engine, EngineOptions(name="null", max_streams=1))
+    pool = WorkerPoolEngine([WorkerSpec(factory, {}, f"w{i}") for i in range(2)], queue_limit=1)
+    await pool.start()
+    try:
+        await wait_for(lambda: all(w is not None and w.load is not None for w in pool.workers))
+        assert pool.load().capacity == 2
+        first, second = speak(pool, "s/a", LONG_TEXT), speak(pool, "s/b", "Short and sweet.")
+        assert {first.worker.index, second.worker.index} == {0, 1}
+        queued = speak(pool, "s/c", "Held in the pool.")
+        position = queued.queue_position()
+        assert queued.worker is None and position is not None and position.position == 1
+        with pytest.raises(Overloaded):
+            pool.open(SynthesisRequest(request_id="s/d"))
+        figures = pool.load().admission
+        assert figures is not None and (figures.admitted, figures.queued) == (2, 1)
+        assert figures.refused["queue_full"] == 1
+        assert (await collect(second))[-1].final
+        # the worker that finished takes the queued stream, with the text it held
+        chunks = await asyncio.wait_for(collect(queued), 10)
+        assert chunks[-1].final and queued.worker is not None
+        assert queued.worker.index == second.worker.index and queued.queue_wait_s() > 0
+        first.cancel()
+        await wait_for(lambda: pool.load().admission.admitted == 0)  # type: ignore[union-attr]
+        assert pool.load().admission.queued_total == 1  # type: ignore[union-attr]
+    finally:
+        await pool.stop()
