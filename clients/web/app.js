@@ -310,7 +310,9 @@ function tick() {
   if (cur && !cur.interrupted) {
     const ms = heardMs();
     const index = cur.received > 0 ? wordAt(ms) : -1;
-    if (index !== cur.highlighted) {
+    // forward only: the clock between reports is an estimate, and a pause sets it back to the
+    // worklet's exact position, which a highlight already past it must not flicker back to
+    if (index > cur.highlighted) {
       cur.highlighted = index;
       if (index >= 0) cur.highlightLog.push({ index, ms: Math.round(ms) });
       renderWords();

@@ -5,8 +5,9 @@ import itertools
 import pytest
 
 from engine.api import ChunkSchedule, Overloaded, Priority
+from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager
 from engine.qwen3.request import SAMPLES_PER_FRAME, RequestStatus
-from engine.qwen3.scheduler import SchedulerConfig, chunk_frames
+from engine.qwen3.scheduler import Scheduler, SchedulerConfig, chunk_frames
 from tests.engine.qwen3.utils import (
     FakeClock,
     create_requests,
@@ -445,7 +446,28 @@ def test_config_validation():
     with pytest.raises(ValueError):
         SchedulerConfig(codec_frame_buckets=(2, 4))
     with pytest.raises(ValueError):
-        SchedulerConfig(max_batch=0)
+        SchedulerConfig(max_batch=-1)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_prefill_chunk=0)
+
+
+def test_sizes_left_at_zero_follow_the_talker_slots():
+    auto = SchedulerConfig(codec_slots=0, max_batch=0, max_codec_rows=0, max_tokens_per_step=0)
+    sized = auto.sized(768)
+    assert (sized.codec_slots, sized.max_batch, sized.max_codec_rows, sized.max_tokens_per_step) == (
+        768,
+        768,
+        768,
+        1280,
+    )
+    bounded = SchedulerConfig(codec_slots=300, max_batch=0, max_codec_rows=0, max_tokens_per_step=0).sized(
+        768
+    )
+    assert (bounded.codec_slots, bounded.max_batch, bounded.max_tokens_per_step) == (300, 300, 812)
+    given = SchedulerConfig(max_batch=64, max_codec_rows=32).sized(768)
+    assert (given.max_batch, given.max_codec_rows, given.max_tokens_per_step) == (64, 32, 512)
+    with pytest.raises(ValueError, match="sized"):
+        Scheduler(auto, KVCacheManager(KVCacheLayout(num_slots=8, max_len=64, bytes_per_token=1)))
 
 
 def _overloaded_codec_chunks(early_cap: int, n: int = 200) -> list[list[int]]:
