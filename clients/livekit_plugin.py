@@ -10,7 +10,11 @@ packets come out as PCM frames, and its `words` as LiveKit's timed transcript (`
 the utterance's timeline), which LiveKit's transcript synchroniser releases as the words play.
 When LiveKit interrupts a turn (it closes the stream), the utterance is cancelled (`speak.cancel`);
 Cadence's answer, with the last word heard and the spoken / unspoken text, goes to `on_interrupt`
-and `interruptions`. `pacing="realtime"` (the default) keeps Cadence's audio about a lead ahead of
+and `interruptions`. For a possible false interruption (LiveKit's `resume_false_interruption`),
+`pause()` fences the turn at Cadence instead (`speak.pause`: nothing more of it arrives, the rest is
+kept) and `unpause()` goes on from the first sample after the fence; their reports go to
+`on_pause` and `pauses`. A pause left past the session's `pause_timeout_ms` ends the turn as an
+interruption. `pacing="realtime"` (the default) keeps Cadence's audio about a lead ahead of
 real time, so Cadence's own estimate of what was heard is close.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 from livekit.agents import APIConnectionError, APIConnectOptions, APIError, tts, utils
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, TimedString
 
-from clients.client import ClientError, Done, Error, Interrupted, Packet, Session, Words, connect
+from clients.client import ClientError, Done, Error, Interrupted, Packet, Paused, Session, Words, connect
 
 
 class CadenceTTS(tts.TTS[Any]):
@@ -41,6 +45,7 @@ class CadenceTTS(tts.TTS[Any]):
         sample_rate: int = 24_000,
         pacing: str = "realtime",
         on_interrupt: Callable[[Interrupted], object] | None = None,
+        on_pause: Callable[[Paused], object] | None = None,
     ) -> None:
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
@@ -59,6 +64,9 @@ class CadenceTTS(tts.TTS[Any]):
         }
         self._on_interrupt = on_interrupt
         self.interruptions: list[Interrupted] = []  # Cadence's reports of the interrupted turns
+        self._on_pause = on_pause
+        self.pauses: list[Paused] = []  # Cadence's reports of the paused turns
+        self.current: str | None = None  # the utterance of the turn being spoken, if any
         self._session: Session | None = None
         self._exit = contextlib.AsyncExitStack()
         self._lock = asyncio.Lock()
@@ -95,6 +103,26 @@ class CadenceTTS(tts.TTS[Any]):
                 )
             return self._session
 
+    async def pause(self, played_ms: int | None = None) -> bool:
+        """Pause the turn being spoken (its audio stops at once; the rest is kept). `played_ms`:
+        what the listener heard of it, if known (else Cadence's estimate). False: no turn to pause."""
+        if self.current is None or self._session is None:
+            return False
+        await self._session.pause(self.current, played_ms=played_ms)
+        return True
+
+    async def unpause(self) -> bool:
+        """Go on with the paused turn from the first sample after the fence."""
+        if self.current is None or self._session is None:
+            return False
+        await self._session.unpause(self.current)
+        return True
+
+    def _paused(self, report: Paused) -> None:
+        self.pauses.append(report)
+        if self._on_pause is not None:
+            self._on_pause(report)
+
     def _interrupted(self, report: Interrupted) -> None:
         self.interruptions.append(report)
         if self._on_interrupt is not None:
@@ -127,6 +155,7 @@ class CadenceStream(tts.SynthesizeStream):
             raise APIConnectionError(f"cannot reach Cadence: {exc}") from exc
         text = ""  # what this turn sent, for the timed transcript's pieces
         finished = False
+        self._cadence.current = uid
 
         async def send() -> None:
             nonlocal text
@@ -159,6 +188,8 @@ class CadenceStream(tts.SynthesizeStream):
                         )
                         heard_to = max(heard_to, word.char_end)
                     output_emitter.push_timed_transcript(pieces)
+                elif isinstance(event, Paused):
+                    self._cadence._paused(event)
                 elif isinstance(event, Done | Interrupted):
                     finished = True
                     return
@@ -172,6 +203,8 @@ class CadenceStream(tts.SynthesizeStream):
             await asyncio.gather(sender, receiver)
             output_emitter.end_segment()
         finally:
+            if self._cadence.current == uid:
+                self._cadence.current = None
             if not finished and text:  # LiveKit closed the stream (a barge-in): stop the utterance
                 with contextlib.suppress(Exception):
                     await session.interrupt(uid)

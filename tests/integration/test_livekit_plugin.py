@@ -95,3 +95,40 @@ async def test_an_interruption_stops_the_engine_and_reports_the_last_word_heard(
     assert report.spoken_text + report.unspoken_text == text and report.unspoken_text.strip()
     heard = len(report.spoken_text.split())
     assert 0 < heard < 40 and report.played_ms < 4000
+
+
+async def test_a_false_interruption_pauses_the_turn_and_unpause_goes_on_from_the_fence(
+    gateway_factory: GatewayFactory,
+) -> None:
+    engine = FakeEngine(step_s=0.005)
+    g = gateway_factory(engine)
+    pauses: list[object] = []
+    tts = CadenceTTS(url=g.ws, on_pause=pauses.append)
+    text = " ".join(f"word{i}" for i in range(12))
+    total_ms = sum(word_ms(w) + GAP_MS for w in text.split())
+    try:
+        stream = tts.stream()
+        stream.push_text(text)
+        stream.end_input()
+        seconds = 0.0
+        paused_at: float | None = None
+        async for event in stream:
+            seconds += event.frame.samples_per_channel / event.frame.sample_rate
+            if paused_at is None and seconds >= 0.8:
+                assert await tts.pause()
+                for _ in range(100):
+                    if tts.pauses:
+                        break
+                    await asyncio.sleep(0.02)
+                paused_at = seconds
+                assert await tts.unpause()
+        await stream.aclose()
+        assert not await tts.pause()  # the turn is over: nothing to pause
+    finally:
+        await tts.aclose()
+    [report] = tts.pauses
+    assert pauses == [report] and not tts.interruptions and not engine.streams[0].cancelled
+    assert report.spoken_text + report.unspoken_text == text
+    # every sample once: what came before the fence, then (after the unpause) the rest from it
+    assert paused_at is not None and report.played_ms <= paused_at * 1000
+    assert 0 <= seconds * 1000 - total_ms <= 12  # LiveKit's emitter may end on one more 10 ms frame
