@@ -111,13 +111,17 @@ async def test_rest_answers_429_with_retry_after(one_slot: RunningGateway) -> No
             at_once = await http.post("/v1/audio/speech", json={"input": SHORT, "max_wait_ms": 0})
             assert at_once.status_code == 429 and int(at_once.headers["Retry-After"]) >= 1
             assert at_once.json()["error"]["code"] == "overloaded"
-            # queued (the queue holds one), then refused when its own wait passes: wav is sent
+            # queued (the queue holds one), then refused when its own wait passes: flac is sent
             # whole, so the refusal is still a 429
-            expired = await http.post("/v1/audio/speech", json={"input": SHORT, "max_wait_ms": 1500})
+            expired = await http.post(
+                "/v1/audio/speech", json={"input": SHORT, "max_wait_ms": 1500, "response_format": "flac"}
+            )
             assert expired.status_code == 429 and int(expired.headers["Retry-After"]) >= 1
             bad = await http.post("/v1/audio/speech", json={"input": SHORT, "max_wait_ms": "soon"})
             assert bad.status_code == 400
-            waiting = asyncio.ensure_future(http.post("/v1/audio/speech", json={"input": SHORT}))
+            waiting = asyncio.ensure_future(
+                http.post("/v1/audio/speech", json={"input": SHORT, "response_format": "wav"})
+            )
             await asyncio.sleep(0.3)
             full = await http.post("/v1/audio/speech", json={"input": SHORT})
             assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
