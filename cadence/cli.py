@@ -193,6 +193,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     )
     _option(
         p,
+        "--gateways",
+        "K or auto: K gateway processes share the port (SO_REUSEPORT), each in front of its own share "
+        "of the GPUs; needs --redis (auto: one per GPU when --gpus names more than one)",
+        env="CADENCE_GATEWAYS",
+        default=_env("gateways", "1"),
+    )
+    _option(
+        p,
         "--redis",
         "redis://HOST:PORT/DB: share voices, quotas and control with other replicas",
         env="CADENCE_REDIS",
@@ -254,22 +262,20 @@ def serve_main(argv: list[str]) -> int:
     from gateway.quotas import QuotaLimits
     from gateway.server import serve
 
-    engine = build_engine(
-        EngineOptions(
-            name=args.engine,
-            model=args.model,
-            aligner=args.aligner,
-            device=args.device,
-            dtype=args.dtype,
-            eager=args.eager,
-            fused_layers=args.fused_layers,
-            max_streams=args.max_streams,
-            scheduler=tuple(args.scheduler),
-            gpus=args.gpus,
-            upstream=args.upstream,
-            upstream_streams=args.upstream_streams,
-            upstream_word_timestamps=args.upstream_word_timestamps,
-        )
+    options = EngineOptions(
+        name=args.engine,
+        model=args.model,
+        aligner=args.aligner,
+        device=args.device,
+        dtype=args.dtype,
+        eager=args.eager,
+        fused_layers=args.fused_layers,
+        max_streams=args.max_streams,
+        scheduler=tuple(args.scheduler),
+        gpus=args.gpus,
+        upstream=args.upstream,
+        upstream_streams=args.upstream_streams,
+        upstream_word_timestamps=args.upstream_word_timestamps,
     )
     config = GatewayConfig(
         api_keys_file=args.api_keys_file,
@@ -279,8 +285,14 @@ def serve_main(argv: list[str]) -> int:
         redis_url=args.redis,
         replica_id=args.replica_id or f"{args.host}:{args.port}",
     )
+    from cadence.gateways import GatewayPlan, gateway_count, serve_gateways
+
+    gateways = gateway_count(args.gateways, args.gpus)
+    if gateways > 1:
+        plan = GatewayPlan(options, config, args.host, args.port, args.log_level, args.insecure)
+        return serve_gateways(plan, gateways)
     serve(
-        engine,
+        build_engine(options),
         host=args.host,
         port=args.port,
         config=config,

@@ -218,6 +218,7 @@ class Gateway:
         body: dict[str, Any] = {
             "ready": ready,
             "engine": self.engine.info.name,
+            "replica": self.config.replica_id,
             "active": load.active,
             "queued": load.queued,
             "capacity": load.capacity,

@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import uvicorn
@@ -177,6 +177,7 @@ class GatewayServer(uvicorn.Server):
         self.gateway = gateway
         self.freeze_gc = freeze_gc
         self.gc_pauses: GcPauses | None = None
+        self.on_started: Callable[[], None] | None = None  # once serving (a supervising parent's cue)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -185,6 +186,8 @@ class GatewayServer(uvicorn.Server):
             # the collector's pauses, timed from now on (a hook of the whole process: served only)
             self.gc_pauses = GcPauses().install()
             self.gateway.metrics.watch_gc(self.gc_pauses)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
