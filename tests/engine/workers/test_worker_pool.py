@@ -52,8 +52,11 @@ def pool_of(engine_name: str, workers: int = 2) -> WorkerPoolEngine:
 
 
 async def started(engine_name: str) -> WorkerPoolEngine:
+    """A started pool whose workers are all alive and have reported their measured capacity (until
+    then each counts as one stream, and the pool's queue as the workers' queues, empty)."""
     pool = pool_of(engine_name)
     await pool.start()
+    await wait_for(lambda: all(w is not None and w.alive and w.load is not None for w in pool.workers))
     return pool
 
 
