@@ -11,7 +11,7 @@ tokens at their real ids, `preprocessor_config.json` and one `model.safetensors`
 are the upstream ones (`thinker.audio_tower.*`, `thinker.model.*`, `thinker.lm_head.weight`).
 
     python bench/random_aligner_checkpoint.py --out .cache/cadence-random-aligner
-    python bench/random_aligner_checkpoint.py --tiny --out /tmp/tiny-aligner   # CPU tests, ~2 MB
+    python bench/random_aligner_checkpoint.py --tiny --out .cache/tiny-aligner   # for CPU tests
 """
 
 from __future__ import annotations

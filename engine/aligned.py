@@ -43,8 +43,6 @@ from engine.api import (
     SynthesisStream,
     TextSegment,
     WordTiming,
-    queue_position,
-    queue_wait_s,
 )
 from engine.bridge import ChunkChannel
 
@@ -214,10 +212,10 @@ class AlignedStream(SynthesisStream):
         return self._channel.__aiter__()
 
     def queue_position(self) -> QueuePosition | None:
-        return queue_position(self.inner)
+        return self.inner.queue_position()
 
     def queue_wait_s(self) -> float:
-        return queue_wait_s(self.inner)
+        return self.inner.queue_wait_s()
 
     # -- the pump (event loop) --------------------------------------------------------------
     async def _run(self) -> None:

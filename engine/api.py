@@ -16,7 +16,7 @@ Life of a request:
 
 An engine admits a request while its measured cost keeps the admitted streams in real time
 (engine.admission); beyond that `open` still returns a stream, which waits for admission in the
-engine's queue (`queue_position(stream)` says where) and produces audio once admitted, or `open`
+engine's queue (`stream.queue_position()` says where) and produces audio once admitted, or `open`
 raises Overloaded (queue full, or the request's `max_wait_s` would pass; a stream still queued
 when it passes fails with Overloaded).
 
@@ -236,20 +236,6 @@ class ChunkListener(Protocol):
         """The stream failed (the error as the engine reported it)."""
 
 
-def queue_position(stream: SynthesisStream) -> QueuePosition | None:
-    """Where `stream` waits for admission, or None once admitted (or for an engine without a
-    queue). A stream may offer `queue_position() -> QueuePosition | None`."""
-    own = getattr(stream, "queue_position", None)
-    return None if own is None else cast(QueuePosition | None, own())
-
-
-def queue_wait_s(stream: SynthesisStream) -> float:
-    """Seconds `stream` waited in the queue before admission (0 when admitted at once or still
-    waiting). A stream may offer `queue_wait_s() -> float`."""
-    own = getattr(stream, "queue_wait_s", None)
-    return 0.0 if own is None else float(own())
-
-
 @runtime_checkable
 class SynthesisStream(Protocol):
     """One request's stream. A class that subclasses this Protocol inherits the two optional
@@ -278,6 +264,16 @@ class SynthesisStream(Protocol):
         own words). Called right after open(), before the first chunk; an engine without an aligner
         keeps its own words."""
         return None
+
+    def queue_position(self) -> QueuePosition | None:
+        """Where the stream waits for admission, or None once admitted (or for an engine without a
+        queue)."""
+        return None
+
+    def queue_wait_s(self) -> float:
+        """Seconds the stream waited in the queue before admission (0 when admitted at once or still
+        waiting)."""
+        return 0.0
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]: ...
 

@@ -36,7 +36,7 @@ from typing import Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from engine.api import AudioChunk, Engine, EngineError, SynthesisStream, queue_position, queue_wait_s
+from engine.api import AudioChunk, Engine, EngineError, SynthesisStream
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import encode
@@ -303,8 +303,8 @@ class Session:
 
     def _take(self, frames: list[bytes | str], most: int) -> int:
         """Move up to `most` frames that may go now into `frames`: every control message first, then
-        the audio lane in order, up to paced audio not yet due (the Pacer pumps this session again at
-        its tick). Stops at a close, and at text that is not valid UTF-8 (both the writer task's).
+        the audio lane in order, up to paced audio not yet due (the Pacer's next tick takes that).
+        Stops at a close, and at text that is not valid UTF-8 (both the writer task's).
         What is taken counts as sent: the protocol is told now, and the caller sends `frames` before
         anything else. Returns how many packets were taken."""
         if self._unsendable is not None:  # nothing goes after it
@@ -540,7 +540,7 @@ class Session:
             self._listeners[uid] = listener
         else:
             self._pulls[uid] = asyncio.create_task(self._pull(uid, stream))
-        return self.protocol.open_succeeded(action.utterance_id, queue_position(stream))
+        return self.protocol.open_succeeded(action.utterance_id, stream.queue_position())
 
     def _push(self, action: PushText) -> list[Action]:
         stream = self._streams.get(action.utterance_id)
@@ -570,7 +570,7 @@ class Session:
     def _queue_wait(self, utterance_id: str) -> float:
         """Seconds the utterance's engine stream waited for admission (0: admitted at once)."""
         stream = self._streams.get(utterance_id)
-        return 0.0 if stream is None else queue_wait_s(stream)
+        return 0.0 if stream is None else stream.queue_wait_s()
 
     def _count_active(self) -> None:
         active = self.protocol.active_count

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from engine.api import AudioChunk, Engine, SynthesisRequest, SynthesisStream, TextSegment
+from engine.api import AudioChunk, Engine, QueuePosition, SynthesisRequest, SynthesisStream, TextSegment
 from gateway.auth import ANONYMOUS
 from gateway.cluster.pubsub import listen_forever
 from gateway.cluster.quotas import SharedQuotas
@@ -113,6 +113,12 @@ class _DirectoryStream(SynthesisStream):
 
     def cancel(self) -> None:
         self.inner.cancel()
+
+    def queue_position(self) -> QueuePosition | None:
+        return self.inner.queue_position()
+
+    def queue_wait_s(self) -> float:
+        return self.inner.queue_wait_s()
         self.cluster.live_ended(self.key)
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:

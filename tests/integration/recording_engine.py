@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.api import AudioChunk, ChunkListener, Engine, SynthesisRequest, SynthesisStream
+from engine.api import AudioChunk, ChunkListener, Engine, QueuePosition, SynthesisRequest, SynthesisStream
 from gateway.messages import Encoding
 from gateway.packets import OutputFormat, Packetiser
 
@@ -51,6 +51,12 @@ class _TappedStream(SynthesisStream):
 
     def set_word_alignment(self, mode: str) -> None:
         self._inner.set_word_alignment(mode)
+
+    def queue_position(self) -> QueuePosition | None:
+        return self._inner.queue_position()
+
+    def queue_wait_s(self) -> float:
+        return self._inner.queue_wait_s()
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self._iterate()
