@@ -9,7 +9,9 @@ bucket's capture cost can be set against what it saves at run time.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -33,10 +35,23 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def load_profile(profiler: cProfile.Profile, top: int = 30) -> list[dict[str, object]]:
+    """The functions the load spent the most time in, cumulatively (callees included)."""
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)  # type: ignore[attr-defined]
+    out: list[dict[str, object]] = []
+    for (path, line, name), (_cc, calls, _tt, cum, _callers) in rows[:top]:
+        out.append({"function": f"{Path(path).name}:{line} {name}", "calls": calls, "cum_s": round(cum, 3)})
+        print(f"load {cum:8.3f} s {calls:7d} {Path(path).name}:{line} {name}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="Qwen3-TTS checkpoint directory")
-    ap.add_argument("--max-streams", type=int, default=640, help="as `cadence serve --max-streams`")
+    ap.add_argument(
+        "--max-streams", type=int, default=None, help="as `cadence serve --max-streams` (default: auto)"
+    )
     ap.add_argument("--kinds", default="", help="capture only these kinds (comma-separated); all by default")
     ap.add_argument(
         "--no-cudnn-benchmark", action="store_true", help="cuDNN's default algorithms, not autotuned"
@@ -45,14 +60,23 @@ def main() -> None:
         "--benchmark-limit", type=int, default=None, help="cuDNN algorithms tried per convolution (0: all)"
     )
     ap.add_argument("--repeats", type=int, default=10, help="replays timed per graph")
+    ap.add_argument(
+        "--profile-load", action="store_true", help="profile the engine's build: where the load's time goes"
+    )
     ap.add_argument("-o", "--out", required=True, help="JSON report")
     args = ap.parse_args()
 
-    t0 = time.perf_counter()
-    engine = build_engine(
-        EngineOptions(name="qwen3", model=args.model, device="cuda", gpus="0", max_streams=args.max_streams)
+    options = EngineOptions(
+        name="qwen3", model=args.model, device="cuda", gpus="0", max_streams=args.max_streams
     )
+    profiler = cProfile.Profile() if args.profile_load else None
+    t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    engine = build_engine(options)
     torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.disable()
     load_s = time.perf_counter() - t0
     runner = engine.runner  # type: ignore[attr-defined]
     t1 = time.perf_counter()
@@ -85,6 +109,7 @@ def main() -> None:
         bank = runner.codec_graphs if kind == "codec" else runner.graphs
         graph = bank.graphs.get(key)
         ms = replay_ms(graph, args.repeats) if graph is not None else None
+        print(f"replay {key} {ms:.3f} ms" if ms is not None else f"replay {key}: no graph", flush=True)
         rows.append({"key": list(key), "capture_s": round(at - last, 4), "replay_ms": ms})  # type: ignore[call-overload]
         by_kind[kind]["count"] += 1
         by_kind[kind]["capture_s"] = round(by_kind[kind]["capture_s"] + at - last, 3)
@@ -102,6 +127,8 @@ def main() -> None:
         "by_kind": by_kind,
         "keys": rows,
     }
+    if profiler is not None:
+        report["load_profile"] = load_profile(profiler)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "keys"}, indent=1))
 
