@@ -23,13 +23,15 @@ $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --por
 server=$!
 $PY - <<PYEOF || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag.log"; kill -9 $server 2>/dev/null; exit 1; }
 import os, time, urllib.request
-for _ in range(480):  # start-up: graph capture and cuDNN autotuning of every Code2Wav bucket
+started = time.time()
+for _ in range(480):  # start-up: the checkpoint's load and the graphs' capture
     try:
         os.kill($server, 0)  # a server that died at start-up is not waited for
     except OSError:
         raise SystemExit("the server exited during start-up")
     try:
-        urllib.request.urlopen("http://127.0.0.1:$PORT/readyz", timeout=2); print("ready"); break
+        urllib.request.urlopen("http://127.0.0.1:$PORT/readyz", timeout=2)
+        print(f"ready {time.time() - started:.1f} s after the server started"); break
     except Exception:
         time.sleep(1)
 else:

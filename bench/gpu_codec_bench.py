@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.qwen3.models import fused_conv  # noqa: E402
 from engine.qwen3.models.codec import Code2Wav  # noqa: E402
 
 # speech_tokenizer decoder_config of the released 12 Hz tokenizer (research/baseline.md)
@@ -237,6 +238,12 @@ def main() -> None:
         help="cuDNN autotuning (one setting per process: PyTorch keeps the first choice "
         "of algorithm per shape, so a second setting in the same process would reuse it)",
     )
+    ap.add_argument(
+        "--conv",
+        default="fused",
+        choices=("fused", "cudnn"),
+        help="the convolutions' kernels: the fused Triton kernel (engine.qwen3.models.fused_conv) or cuDNN",
+    )
     ap.add_argument("--kernel-ops", default="", help="BxF: list the operators behind the slowest kernels")
     ap.add_argument("--profile", action="store_true", help="print each bucket's kernels by GPU time")
     ap.add_argument(
@@ -248,6 +255,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    if args.conv == "cudnn":
+        fused_conv.guard.enabled = False
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
     batches = [int(x) for x in args.batches.split(",")]
@@ -269,7 +278,7 @@ def main() -> None:
             f"streamed vs offline (2 x 200 frames, chunks 1,2,4,8,25): max abs diff {streamed_equals_offline(model):.2e}"
         )
         print(
-            f"{'batch':>5} {'frames':>6} {'eager ms':>9} {'graph ms':>9} {'audio-s/s':>10} {'graph==eager':>13}"
+            f"{'batch':>5} {'frames':>6} {'eager ms':>9} {'graph ms':>9} {'audio-s/s':>10} {'graph==eager':>13} {'wall s':>7}"
         )
         for b in sorted(batches, reverse=True):
             for f in frames:
@@ -282,6 +291,7 @@ def main() -> None:
                     row = {"batch": b, "frames": f, "error": "out of memory"}
                     torch.cuda.empty_cache()
                 row.update(
+                    conv=args.conv,
                     dtype=name,
                     cudnn_benchmark=autotune,
                     wall_s=round(time.perf_counter() - t0, 1),
@@ -295,7 +305,7 @@ def main() -> None:
                 else:
                     print(
                         f"{b:>5} {f:>6} {row['eager_ms']:>9.2f} {row['graph_ms']:>9.2f} "
-                        f"{row['graph_audio_s_per_s']:>10.0f} {row['graph_vs_eager_max_abs']:>13.1e}",
+                        f"{row['graph_audio_s_per_s']:>10.0f} {row['graph_vs_eager_max_abs']:>13.1e} {row['wall_s']:>7.1f}",
                         flush=True,
                     )
         del model

@@ -36,7 +36,7 @@ from torch import Tensor
 from engine.qwen3 import sampler
 from engine.qwen3.codec_state_cache import CodecStateCache
 from engine.qwen3.cuda_graphs import GraphBank, batch_buckets, bucket_for
-from engine.qwen3.models import decode_attention, fused_layer, fused_norm, fused_rope
+from engine.qwen3.models import decode_attention, fused_conv, fused_layer, fused_norm, fused_rope
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import Qwen3TTSConfig
 from engine.qwen3.models.talker import Talker
@@ -207,10 +207,10 @@ class Runner:
         self._codec_io: dict[tuple[int, int, bool], tuple[Tensor, Tensor, Tensor]] = {}
         cuda = dev.type == "cuda"
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
-            # Code2Wav's convolutions: cuDNN's default algorithm picks are slower than its
-            # autotuned ones (bench/gpu_codec_bench.py); shapes are fixed per graph bucket, so
-            # each is tuned once, while the graphs are captured
-            torch.backends.cudnn.benchmark = True
+            # Code2Wav's convolutions run the fused kernel, which needs no tuning; where it is off,
+            # cuDNN autotunes each graph bucket's shapes while they are captured (its untuned picks
+            # are far slower at the large buckets)
+            torch.backends.cudnn.benchmark = not fused_conv.check(dev)
             sampler.draw_kernel.check(dev)
             fused_norm.check(dev)
             fused_rope.check(dev)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.qwen3.models import fused_rope, fused_snake
+from engine.qwen3.models import fused_conv, fused_rope, fused_snake
 from engine.qwen3.models.layers import RMSNorm
 from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -111,18 +111,59 @@ class _Streamable(nn.Module):
         return full
 
 
+def _depthwise(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
+    """A depthwise causal conv over x [B, T_in, C] as shifted multiply-adds in fp32 (the fused
+    kernel's GEMM tiles do not fit a conv whose every channel is its own group)."""
+    taps = weight.shape[-1]
+    t_out = x.shape[1] - (taps - 1) * dilation
+    w = weight[:, 0].float()  # [C, taps]
+    acc = x[:, :t_out].float() * w[:, 0]
+    for j in range(1, taps):
+        acc.addcmul_(x[:, j * dilation : j * dilation + t_out], w[:, j])
+    if bias is not None:
+        acc += bias
+    return acc.to(x.dtype)
+
+
 class CausalConv(_Streamable):
     def __init__(self, c_in: int, c_out: int, kernel: int, dilation: int = 1, groups: int = 1) -> None:
         super().__init__()
         self.conv = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, groups=groups)
         self.history = (kernel - 1) * dilation
         self.channels = c_in
+        self._packed = fused_conv.Packed()
+
+    def _input(self, x: Tensor, slots: Tensor | None) -> Tensor:
+        if not self.history:
+            return x
+        return F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
 
     def forward(self, x: Tensor, slots: Tensor | None = None, with_bias: bool = True) -> Tensor:
         """x [B, T, C]. with_bias=False: the caller adds `conv.bias` itself, fused into its next op."""
-        if self.history:
-            x = F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
-        return _conv(x, self.conv, self.conv.bias if with_bias else None)
+        x = self._input(x, slots)
+        bias = self.conv.bias if with_bias else None
+        if fused_conv.available(x):
+            if self.conv.groups == 1:
+                weight, bias = self._packed.get(self.conv.weight, bias)
+                return fused_conv.conv(x, weight, self.conv.kernel_size[0], self.conv.dilation[0], bias)
+            if self.conv.groups == self.channels:
+                return _depthwise(x, self.conv.weight, bias, self.conv.dilation[0])
+        return _conv(x, self.conv, bias)
+
+    def fused(
+        self,
+        x: Tensor,
+        slots: Tensor | None = None,
+        snake: SnakeBeta | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor:
+        """The conv with its bias, then `snake`, then `+ residual`, in one fused kernel (CUDA only:
+        the caller checks fused_conv.available)."""
+        x = self._input(x, slots)
+        weight, bias = self._packed.get(self.conv.weight, self.conv.bias)
+        params = None if snake is None else snake.fp32_params()
+        k, d = self.conv.kernel_size[0], self.conv.dilation[0]
+        return fused_conv.conv(x, weight, k, d, bias, snake=params, residual=residual)
 
 
 class CausalTransConv(_Streamable):
@@ -134,9 +175,17 @@ class CausalTransConv(_Streamable):
         self.stride = stride
         self.history = -(-(kernel - stride) // stride)  # previous inputs that overlap new outputs
         self.channels = c_in
+        self._packed = fused_conv.Packed()
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
         n_new = x.shape[1] * self.stride
+        if fused_conv.available(x) and self.conv.kernel_size[0] % self.stride == 0:
+            # taps = history + 1 inputs per output frame; offline, silence stands in for the history
+            if self.history:
+                x = F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
+            weight, bias = self._packed.get(self.conv.weight, self.conv.bias, self.stride)
+            y = fused_conv.conv(x, weight, self.history + 1, 1, bias)
+            return y.view(y.shape[0], n_new, -1)
         if slots is None or not self.history:
             return _conv(x, self.conv, self.conv.bias)[:, :n_new]
         start = self.history * self.stride
@@ -172,6 +221,10 @@ class SnakeBeta(nn.Module):
                 )
         return self._derived[1:]
 
+    def fp32_params(self) -> tuple[Tensor, Tensor]:
+        """e^alpha and 1 / e^beta in fp32, as the fused kernels take them."""
+        return self._params()[2:]
+
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., C]. bias: the previous conv's, added to x here (one pass over the tensor, not two)."""
         alpha, inv_beta, alpha32, inv_beta32 = self._params()
@@ -206,8 +259,11 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
+        h = self.act1(x)
+        if fused_conv.available(h):  # each conv with the ops after it in one kernel
+            return self.conv2.fused(self.conv1.fused(h, slots, snake=self.act2), residual=x)
         # the convs' biases ride in the ops after them: cuDNN adds a bias in a pass of its own
-        h = self.act2(self.conv1(self.act1(x), slots, with_bias=False), bias=self.conv1.conv.bias)
+        h = self.act2(self.conv1(h, slots, with_bias=False), bias=self.conv1.conv.bias)
         y = self.conv2(h, with_bias=False)
         if fused_snake.available(y):
             return fused_snake.residual(x, y, self.conv2.conv.bias)

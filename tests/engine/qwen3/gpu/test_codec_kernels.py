@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.qwen3.models import fused_norm, fused_rope, fused_snake
+from engine.qwen3.models import fused_conv, fused_norm, fused_rope, fused_snake
 from engine.qwen3.models.codec import Code2Wav
 
 pytestmark = pytest.mark.gpu
@@ -52,8 +52,8 @@ def test_fused_kernels_match_the_eager_ops(monkeypatch):
     codes = torch.randint(0, 2048, (3, 12, 16), device="cuda")
     chunks = [1, 2, 4, 5]  # past the 8-frame window
     fused = streamed(model, codes, chunks)
-    assert fused_norm.guard.enabled and fused_rope.guard.enabled  # the fused path served
-    guards = (fused_norm.guard, fused_rope.guard)
+    guards = (fused_norm.guard, fused_rope.guard, fused_conv.guard)
+    assert all(g.enabled for g in guards)  # the fused path served
     try:
         for g in guards:
             g.enabled = False

@@ -502,6 +502,105 @@ def snake_residual() -> str:
     return f"shapes {list(_SNAKE_SHAPES)}: max |diff| fp32 {fp32:.3g}, bf16 {bf16:.3g}"
 
 
+# -- Code2Wav's convolutions (engine.qwen3.models.fused_conv) --------------------------------------------
+
+# [batch, input rows, C_in, C_out, taps, dilation]: dilated with tails in every tile dimension, a
+# one-channel output, a 1x1 conv, inputs narrower than a K tile
+_CONV_SHAPES = ((2, 70, 48, 40, 7, 9), (3, 20, 32, 1, 7, 1), (2, 9, 64, 130, 1, 1), (1, 12, 4, 8, 3, 2))
+
+
+@check
+def fused_conv() -> str:
+    """The conv with its bias, then SnakeBeta, then a residual add, against torch's conv1d and the
+    eager activation (fp32 exact to rounding, bf16 within its rounding of the inputs)."""
+    from engine.qwen3.models import fused_conv as fc
+
+    gen = torch.Generator().manual_seed(2)
+    worst: dict[torch.dtype, float] = {}
+    for b, t_in, c_in, c_out, taps, dilation in _CONV_SHAPES:
+        x = torch.randn(b, t_in, c_in, generator=gen)
+        w = torch.randn(c_out, c_in, taps, generator=gen) / (c_in * taps) ** 0.5
+        bias = torch.randn(c_out, generator=gen)
+        act = _snake_module(c_out, gen)
+        t_out = t_in - (taps - 1) * dilation
+        res = torch.randn(b, t_out, c_out, generator=gen)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            xd, wd, bd, rd = (t.to(dtype) for t in (x, w, bias, res))
+            conv = torch.nn.functional.conv1d(
+                xd.double().transpose(1, 2), wd.double(), bd.double(), dilation=dilation
+            )
+            conv = conv.transpose(1, 2)
+            with torch.no_grad():
+                _, _, alpha32, inv_beta32 = copy.deepcopy(act).to(dtype)._params()
+                expected = act.double()(conv) + rd.double()
+            got = fc.conv(xd, fc.pack(wd), taps, dilation, bd, snake=(alpha32, inv_beta32), residual=rd)
+            assert got.dtype == dtype and got.shape == (b, t_out, c_out)
+            diff = close(got, expected, tol * 3, tol, f"{(b, t_in, c_in, c_out, taps, dilation)} {dtype}")
+            plain = fc.conv(xd, fc.pack(wd), taps, dilation)
+            diff = max(diff, close(plain, conv - bd.double(), tol * 3, tol, f"plain {dtype}"))
+            worst[dtype] = max(worst.get(dtype, 0.0), diff)
+    return f"shapes {list(_CONV_SHAPES)}: max |diff| fp32 {worst[torch.float32]:.3g}, bf16 {worst[torch.bfloat16]:.3g}"
+
+
+@check
+def fused_transposed_conv() -> str:
+    """A transposed conv of kernel m x stride as the conv kernel over m taps (pack_transposed),
+    against torch's conv_transpose1d trimmed as the decoder trims it."""
+    from engine.qwen3.models import fused_conv as fc
+
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for b, frames, c_in, c_out, stride, m in (
+        (2, 7, 32, 24, 4, 2),
+        (1, 5, 16, 16, 2, 1),
+        (3, 4, 48, 8, 3, 2),
+    ):
+        x = torch.randn(b, frames, c_in, generator=gen)
+        w = torch.randn(c_in, c_out, m * stride, generator=gen) / c_in**0.5
+        bias = torch.randn(c_out, generator=gen)
+        full = torch.nn.functional.conv_transpose1d(x.transpose(1, 2), w, bias, stride=stride).transpose(1, 2)
+        expected = full[:, (m - 1) * stride : frames * stride]  # outputs of frames 1.. (frame 0 is history)
+        packed, bias_r = fc.pack_transposed(w, stride), bias.repeat(stride)
+        got = fc.conv(x, packed, m, 1, bias_r).reshape(b, -1, c_out)
+        worst = max(worst, close(got, expected, 1e-5, 1e-5, f"{(b, frames, c_in, c_out, stride, m)}"))
+    return f"max |diff| {worst:.3g}"
+
+
+@check
+def fused_conv_codec() -> str:
+    """A tiny Code2Wav streamed chunk by chunk through the fused convolutions (packing, histories,
+    the fused residual units) equals its offline decode through torch's convolutions."""
+    from engine.qwen3.models import codec as codec_module
+    from engine.qwen3.models import fused_conv as fc
+    from tests.engine.qwen3.codec.conftest import tiny_tokenizer_config_dict
+
+    torch.manual_seed(0)
+    model = codec_module.Code2Wav(tiny_tokenizer_config_dict()["decoder_config"]).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("embedding_sum"):  # codebooks that give audio, not silence
+                p.normal_()
+    model.quantizer.refresh()
+    codes = torch.randint(0, 2048, (2, 5, 16))
+    offline = model.decode(codes)
+    model.init_streams(2)
+    slots = torch.arange(2)
+    real = fc.available
+    fc.available = lambda x: True  # type: ignore[assignment]
+    try:
+        pieces, at = [], 0
+        for n in (1, 3, 1):
+            pieces.append(model.decode_step(slots, codes[:, at : at + n]))
+            at += n
+    finally:
+        fc.available = real  # type: ignore[assignment]
+    streamed = torch.cat(pieces, dim=1)
+    inside = (offline.abs() < 0.99).float().mean().item()
+    assert offline.abs().max() > 1e-3 and inside > 0.9, "silence or clipping would prove nothing"
+    diff = close(streamed, offline, 1e-4, 1e-4, "streamed (fused) vs offline (torch)")
+    return f"2 rows x 5 frames in chunks 1, 3, 1: max |diff| {diff:.3g}"
+
+
 # -- the bounded sampler's draw (engine.qwen3.sampling_kernel) ----------------------------------------------
 
 
