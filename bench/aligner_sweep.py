@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clients.loadtest_report import headline  # noqa: E402
 
 MODES = ("plain", "async", "sync")
 FIGURES = (
@@ -72,8 +77,15 @@ def merge(
         row["sync_words_before_audio_p90"] = None if sync_lag is None else sync_lag <= 0
         row["async_words_within_lag_p90"] = None if async_lag is None else async_lag <= async_lag_ms
         points.append(row)
-    plain_streams = runs["plain"]["headline"]["concurrency"] if runs["plain"].get("headline") else 0
-    async_streams = runs["async"]["headline"]["concurrency"] if runs["async"].get("headline") else 0
+    # the streams each run keeps within the criteria; where the run without the aligner swept
+    # further (past the capacity), over the levels both ran
+    async_levels = {p["concurrency"] for p in runs["async"]["points"]}
+    shared = [p for p in runs["plain"]["points"] if p["concurrency"] in async_levels]
+    if len(shared) < len(runs["plain"]["points"]):
+        plain_streams = headline(shared)["concurrency"]
+    else:
+        plain_streams = (runs["plain"].get("headline") or {}).get("concurrency", 0)
+    async_streams = (runs["async"].get("headline") or {}).get("concurrency", 0)
     at_target = next((row for row in points if row["concurrency"] == target_streams), None)
     return {
         "command": {mode: runs[mode].get("command") for mode in MODES},

@@ -7,6 +7,7 @@
 #   lag behind their first audio (p90), and the figures of the aligner's targets.
 # Environment: as bench/gpu_bench_e2e.sh: SIZE (1.7B), CONC (1,64,256,512), POINT_SECONDS (20), DEVICE
 #              (cuda), OUTDIR ($OUT or ./bench-out), SERVE_ARGS, PORT (8765), TAG (the size); and
+#              MAX_STREAMS (auto), ALIGNED_CONC (CONC: the levels of the two runs with the aligner),
 #              ALIGNER_CKPT (.cache/cadence-random-aligner), STREAMS (256: where sync's added TTFA is
 #              read), WARMUP_SECONDS (5), SKIP_PLAIN (set: keep an earlier bench-TAG-plain.json in OUTDIR),
 #              TINY (set: tiny random checkpoints, a smoke run on a CPU: TINY=1 DEVICE=cpu CONC=1,2 POINT_SECONDS=3)
@@ -25,28 +26,30 @@ tag="${TAG:-$(echo "$SIZE" | tr 'A-Z' 'a-z')}"  # names the output files
 
 serve() {  # serve NAME [cadence serve flags]: start the server and wait for /readyz
   name=$1; shift
-  $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port "$PORT" --max-streams 640 \
+  $PY -m cadence.cli serve --engine qwen3 --model "$CKPT" --device "$DEVICE" --port "$PORT" --max-streams "${MAX_STREAMS:-auto}" \
     ${SERVE_ARGS:-} "$@" > "$OUTDIR/serve-$tag-$name.log" 2>&1 &
   server=$!
   $PY - "$server" "$PORT" <<'PYEOF' || { echo "server not ready"; tail -30 "$OUTDIR/serve-$tag-$name.log"; kill -9 $server 2>/dev/null; exit 1; }
 import os, sys, time, urllib.request
 pid, port = int(sys.argv[1]), sys.argv[2]
-for _ in range(600):  # start-up: graph capture, cuDNN autotuning, the aligner's warm-up
+started = time.time()
+for _ in range(600):  # start-up: the checkpoints' load, the graphs' capture, the aligner's warm-up
     try:
         os.kill(pid, 0)  # a server that died at start-up is not waited for
     except OSError:
         raise SystemExit("the server exited during start-up")
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2); print("ready"); break
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2)
+        print(f"ready {time.time() - started:.1f} s after the server started"); break
     except Exception:
         time.sleep(1)
 else:
     raise SystemExit(1)
 PYEOF
 }
-sweep() {  # sweep NAME [cadence bench flags]
-  name=$1; shift
-  timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --concurrency "$CONC" \
+sweep() {  # sweep NAME LEVELS [cadence bench flags]
+  name=$1; levels=$2; shift 2
+  timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --concurrency "$levels" \
     --min-seconds "$SECONDS_PER_POINT" --max-seconds "$((SECONDS_PER_POINT + 15))" --warmup-seconds "$WARMUP" \
     --voice ryan --language English --model-shapes "$SIZE" --metrics-url "http://127.0.0.1:$PORT/metrics" \
     -o "$OUTDIR/bench-$tag-$name.json" "$@" 2>&1 | grep -v "━" | tail -25
@@ -56,11 +59,11 @@ stop() {  # stop NAME
 }
 
 if [ -z "${SKIP_PLAIN:-}" ]; then
-  serve plain; sweep plain; stop plain
+  serve plain; sweep plain "$CONC"; stop plain
 fi
 serve aligner --aligner "$ALIGNER_CKPT"
-sweep async --alignment async
-sweep sync --alignment sync
+sweep async "${ALIGNED_CONC:-$CONC}" --alignment async
+sweep sync "${ALIGNED_CONC:-$CONC}" --alignment sync
 stop aligner
 for name in plain async sync; do
   [ -f "$OUTDIR/bench-$tag-$name.json" ] || { echo "no bench-$tag-$name.json"; exit 1; }

@@ -9,9 +9,10 @@ which the gateway passes to the engine as SynthesisRequest.forced_frames.
 Beyond the engine's capacity a request may wait in its queue (`utterance.queued`; TTFA and RTF then
 count from its admission, its wait is reported apart) or be refused (`overloaded`): the client then
 waits the `retry_after_ms` the server gave and sends the same prompt again, as a real client would.
-Levels may be relative to the capacity the server reports when the point starts (GET /v1/load):
-`capacity`, or a multiple of it such as `1.5x` or `2x`; run a point above the capacity before them,
-so that the engine has measured what it holds.
+Levels may be relative to the capacity the server reports (GET /v1/load): `capacity`, or a
+multiple of it such as `1.5x` or `2x`, of the largest capacity it has reported in this run (an
+overloaded point can make the engine's estimate dip for a while); run a point above the capacity
+before them, so that the engine has measured what it holds.
 
     cadence bench --url ws://127.0.0.1:8000/v1/stream --corpus deploy/bench/corpus.jsonl \
         --concurrency 1,256,512,capacity,1.5x,2x --min-seconds 60 -o deploy/bench/run.json
@@ -345,6 +346,21 @@ def engine_capacity(url: str) -> dict[str, int]:
     return out
 
 
+def raise_open_files_limit() -> None:
+    """Each stream holds a socket: the soft limit on open files up to the hard one, so that a
+    process of the sweep does not fail on the common default of 1 024."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (max(soft, 1 << 16) if hard == resource.RLIM_INFINITY else hard, hard)
+            )
+
+
 def resolve_level(level: str, capacity: int | None) -> int:
     """A level of --concurrency: a number, `capacity`, or a multiple of it (`1.5x`)."""
     text = level.strip().lower()
@@ -493,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         default=DEFAULT_LEVELS,
         help=f"comma-separated C values ({DEFAULT_LEVELS}); `capacity` and multiples such as `2x` "
-        "take the capacity the server reports when the point starts",
+        "take the largest capacity the server has reported in the run",
     )
     p.add_argument("--min-seconds", type=float, default=60.0, help="measure at least this long per point")
     p.add_argument("--max-seconds", type=float, default=600.0, help="stop a point after this long regardless")
@@ -542,9 +558,12 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
     run = run_metadata(args, engine, command or command_line(argv))
     run.update({"points": [], "reference": None, "headline": None, "scaling_ratio": None})
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    raise_open_files_limit()
+    peak_capacity = 0
     with Progress(*columns, console=console) as progress:
         for level in levels:
-            concurrency = resolve_level(level, engine_capacity(load_url(args.url)).get("capacity"))
+            peak_capacity = max(peak_capacity, engine_capacity(load_url(args.url)).get("capacity", 0))
+            concurrency = resolve_level(level, peak_capacity or None)
             point = run_point(args, prompts, concurrency, progress)
             if not level.strip().isdigit():
                 point["level"] = level.strip()  # e.g. "2x": twice the capacity the server reported

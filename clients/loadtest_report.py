@@ -180,11 +180,11 @@ def headline(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     passing = [
         p
         for p in points
-        if p["rtf_p90"] is not None
+        if p.get("rtf_p90") is not None
         and p["rtf_p90"] < REALTIME_RTF
-        and p["ttfa_p90_ms"] is not None
+        and p.get("ttfa_p90_ms") is not None
         and p["ttfa_p90_ms"] < HEADLINE_TTFA_MS
-        and (p["underrun_streams_pct"] or 0.0) <= HEADLINE_UNDERRUN_PCT
+        and (p.get("underrun_streams_pct") or 0.0) <= HEADLINE_UNDERRUN_PCT
     ]
     if not passing:
         return {"concurrency": 0, "chars_per_s": 0, "usd_per_m_chars": None}

@@ -20,6 +20,7 @@ from gateway.app import Gateway, create_app
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.gc_pauses import GcPauses
+from gateway.open_files import raise_open_files_limit
 from gateway.session import FRAME_WRITER
 
 log = logging.getLogger("cadence.server")
@@ -240,4 +241,5 @@ def serve(
     insecure: bool = False,
 ) -> None:
     """Serve until SIGINT / SIGTERM."""
+    raise_open_files_limit()
     build_server(engine, host, port, config, insecure=insecure, freeze_gc=True, log_level=log_level).run()

@@ -53,6 +53,7 @@ if triton is not None:
         c_out,
         taps,
         dilation,
+        chunks,
         HAS_BIAS: tl.constexpr,
         SNAKE: tl.constexpr,
         RESIDUAL: tl.constexpr,
@@ -69,22 +70,23 @@ if triton is not None:
         # the input row of an output row's first tap: its batch's rows start t_in apart
         first = ((rm // t_out) * t_in + rm % t_out).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in range(0, taps):
-            a_rows = first + j * dilation
-            for c0 in range(0, c_in, BLOCK_K):
-                ck = c0 + rk
-                k_ok = ck < c_in
-                a = tl.load(
-                    x_ptr + a_rows[:, None] * c_in + ck[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w = tl.load(
-                    w_ptr + (j * c_in + ck[:, None]).to(tl.int64) * c_out + rn[None, :],
-                    mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        # one loop over every (tap, channel chunk): a layer of few channels still has enough
+        # iterations for the loads to be pipelined
+        for i in range(0, taps * chunks):
+            j = i // chunks
+            ck = (i - j * chunks) * BLOCK_K + rk
+            k_ok = ck < c_in
+            a = tl.load(
+                x_ptr + (first + j * dilation)[:, None] * c_in + ck[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + (j * c_in + ck[:, None]).to(tl.int64) * c_out + rn[None, :],
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SNAKE:  # x + sin^2(x * e^alpha) / e^beta, alpha and 1 / e^beta given per channel in fp32
@@ -166,6 +168,7 @@ def conv(
         c_out,
         taps,
         dilation,
+        triton.cdiv(c_in, block_k),
         HAS_BIAS=bias is not None,
         SNAKE=snake is not None,
         RESIDUAL=residual is not None,
