@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from engine.api import AdmissionFigures, Overloaded, Priority, QueuePosition
@@ -391,6 +391,30 @@ class Admission(Generic[T]):
             life = self._lifetime_prior_s if self._lifetime_s is None else self._lifetime_s
             interval = life / self.capacity()
         return position * interval
+
+
+def in_series(first: AdmissionFigures, then: AdmissionFigures) -> AdmissionFigures:
+    """One engine's figures from two admissions a request passes in turn (an aligner's, then the
+    wrapped engine's): the streams, capacity and bound of the second, which every stream reaches;
+    the queues, refusals and waits of both."""
+    waits = [w for w in (first.wait_p50_s, then.wait_p50_s) if w is not None]
+    tails = [w for w in (first.wait_p90_s, then.wait_p90_s) if w is not None]
+    reasons = dict.fromkeys([*first.refused, *then.refused])
+    counts, wait_sum = then.wait_counts, then.wait_sum_s
+    if first.wait_bounds_s == then.wait_bounds_s:
+        counts = tuple(a + b for a, b in zip(first.wait_counts, then.wait_counts, strict=True))
+        wait_sum += first.wait_sum_s
+    return replace(
+        then,
+        queued=first.queued + then.queued,
+        queue_limit=first.queue_limit + then.queue_limit,
+        queued_total=first.queued_total + then.queued_total,
+        refused={r: first.refused.get(r, 0) + then.refused.get(r, 0) for r in reasons},
+        wait_counts=counts,
+        wait_sum_s=wait_sum,
+        wait_p50_s=max(waits, default=None),
+        wait_p90_s=max(tails, default=None),
+    )
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

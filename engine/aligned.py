@@ -11,8 +11,14 @@ the event loop, so the first requests do not pay its kernels' first-use costs.
 Per stream the mode is "async" by default (audio passes at once, words follow when known), "sync"
 (audio held until its words are known, released word by word as probes of the segment being made
 time them; the added time to first audio is measured and reported in `load().extra`), or "off"
-(the wrapped engine's own words). The gateway may choose it per session
-through the stream's optional `set_word_alignment(mode)`, called right after `open()`.
+(the wrapped engine's own words). The request says it (`SynthesisRequest.word_alignment`, the
+gateway's per session), or the stream's optional `set_word_alignment(mode)` before its first chunk.
+
+Admission counts the aligner's share (engine.aligner_capacity): a stream that wants the aligner's
+words is admitted only while the aligner keeps up with one more, and then as the wrapped engine
+admits it; beyond that it waits in a bounded queue (`utterance.queued`, through `queue_position`)
+or is refused (Overloaded, with a Retry-After), as the wrapped engine's own admission does. "off"
+streams do not count: they go to the wrapped engine at once.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from aligner.api import AlignedWord, Aligner
+from engine.admission import Admission, Ticket, in_series
+from engine.aligner_capacity import AlignerCapacity
 from engine.alignment_track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
 from engine.api import (
     AudioChunk,
@@ -38,6 +46,8 @@ from engine.api import (
     EngineError,
     EngineInfo,
     EngineLoad,
+    InvalidRequest,
+    Overloaded,
     QueuePosition,
     SynthesisRequest,
     SynthesisStream,
@@ -47,6 +57,7 @@ from engine.api import (
 from engine.bridge import ChunkChannel
 
 JobDone = Callable[[AlignJob, tuple[WordTiming, ...]], None]
+MAX_ALIGNED_STREAMS = 1 << 16  # admission's upper bound; the measured cost is the real one
 
 
 @dataclass(slots=True)
@@ -55,21 +66,28 @@ class AlignerStats:
     probes: int = 0  # sync probes of segments still being made (engine.alignment_track)
     batches: int = 0
     failures: int = 0  # jobs answered with the engine's own words
-    audio_s: float = 0.0
+    audio_s: float = 0.0  # aligned, probes' audio included
+    stream_audio_s: float = 0.0  # of it, the streams' own audio, each second once (AlignJob.fresh_s)
     busy_s: float = 0.0
     largest_batch: int = 0
 
 
-class AlignerWorker:
-    """Batches alignment jobs from every stream on one thread."""
+BatchDone = Callable[[float, float, float], None]  # (busy s, audio s, the streams' own audio s)
 
-    def __init__(self, aligner: Aligner, max_batch: int = 32) -> None:
+
+class AlignerWorker:
+    """Batches alignment jobs from every stream on one thread; `on_batch` hears what each call cost
+    (on this thread)."""
+
+    def __init__(self, aligner: Aligner, max_batch: int = 32, on_batch: BatchDone | None = None) -> None:
         self.aligner = aligner
         self.max_batch = max_batch
+        self.on_batch = on_batch
         self.stats = AlignerStats()
         self._cond = threading.Condition()
         self._urgent: deque[tuple[AlignJob, JobDone]] = deque()
         self._later: deque[tuple[AlignJob, JobDone]] = deque()
+        self._queued_audio_s = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -95,12 +113,19 @@ class AlignerWorker:
     def submit(self, job: AlignJob, done: JobDone) -> None:
         with self._cond:
             (self._urgent if job.urgent else self._later).append((job, done))
+            self._queued_audio_s += job.audio_s
             self._cond.notify()
 
     @property
     def queued(self) -> int:
         with self._cond:
             return len(self._urgent) + len(self._later)
+
+    @property
+    def queued_audio_s(self) -> float:
+        """Audio waiting for the aligner (the backlog)."""
+        with self._cond:
+            return max(0.0, self._queued_audio_s)
 
     def _take_batch(self) -> list[tuple[AlignJob, JobDone]] | None:
         with self._cond:
@@ -112,6 +137,7 @@ class AlignerWorker:
             for queue in (self._urgent, self._later):
                 while queue and len(batch) < self.max_batch:
                     item = queue.popleft()
+                    self._queued_audio_s -= item[0].audio_s
                     if not item[0].cancelled:
                         batch.append(item)
             return batch
@@ -128,11 +154,16 @@ class AlignerWorker:
             results: list[list[AlignedWord] | None] = list(self._align(jobs))
         except Exception:
             results = [self._align_alone(job) for job in jobs]  # one bad input must not sink the rest
-        self.stats.busy_s += time.perf_counter() - began
+        busy = time.perf_counter() - began
+        audio, fresh = sum(job.audio_s for job in jobs), sum(job.fresh_s for job in jobs)
+        self.stats.busy_s += busy
+        self.stats.audio_s += audio
+        self.stats.stream_audio_s += fresh
         self.stats.batches += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
+        if self.on_batch is not None:
+            self.on_batch(busy, audio, fresh)
         for (job, done), aligned in zip(batch, results, strict=True):
-            self.stats.audio_s += job.audio_s
             if job.probe:
                 self.stats.probes += 1
             else:
@@ -155,13 +186,15 @@ class AlignerWorker:
 
 
 class AlignedStream(SynthesisStream):
-    """engine.api.SynthesisStream over the wrapped engine's stream, words from the aligner."""
+    """engine.api.SynthesisStream over the wrapped engine's stream, words from the aligner. An
+    aligned stream the aligner has no room for yet waits in the engine's admission queue without a
+    wrapped stream; its text is held until it is admitted."""
 
-    def __init__(
-        self, engine: AlignedEngine, inner: SynthesisStream, request: SynthesisRequest, mode: AlignmentMode
-    ) -> None:
+    def __init__(self, engine: AlignedEngine, request: SynthesisRequest, mode: AlignmentMode) -> None:
         self.request_id = request.request_id
-        self.inner = inner
+        self.request = request
+        self.inner: SynthesisStream | None = None  # the wrapped engine's, once opened
+        self.ticket: Ticket[AlignedStream] | None = None  # its place in the aligner's admission
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._tracker = AlignmentTracker(
@@ -172,11 +205,14 @@ class AlignedStream(SynthesisStream):
             mode,
         )
         self._channel = ChunkChannel(self._loop)
+        self._held: list[TextSegment | None] = []  # text (None: its end) while no wrapped stream
         self._jobs: list[AlignJob] = []
+        self._aligned_to = 0  # utterance sample where the jobs submitted so far end
         self._cancelled = False
+        self._ended = False  # its place in admission is given back
         self._inner_audio_at: float | None = None  # when the wrapped engine's first audio came
         self._audio_out = False
-        self._pump = self._loop.create_task(self._run())
+        self._pump: asyncio.Task[None] | None = None
 
     @property
     def mode(self) -> AlignmentMode:
@@ -186,23 +222,57 @@ class AlignedStream(SynthesisStream):
         """ "sync", "async" or "off"; effective when called before the first chunk arrives."""
         if mode not in ALIGNMENT_MODES:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
+        before = self.mode
         self._tracker.set_mode(mode)
+        if (before == "off") != (self.mode == "off"):
+            self._engine.alignment_changed(self)
+
+    def attach(self, inner: SynthesisStream) -> None:
+        """The wrapped engine's stream: the held text goes to it and its chunks are taken."""
+        self.inner = inner
+        for segment in self._held:
+            if segment is None:
+                inner.close_text()
+            else:
+                inner.push(segment)
+        self._held = []
+        self._pump = self._loop.create_task(self._run())
+
+    def fail(self, error: BaseException) -> None:
+        self._channel.fail(error)
+        self._end()
+
+    def refuse(self, error: BaseException) -> None:
+        """Fail it now, its wrapped stream cancelled."""
+        self._cancelled = True
+        if self.inner is not None:
+            self.inner.cancel()
+        self.fail(error)
 
     # -- SynthesisStream --------------------------------------------------------------------
     def push(self, segment: TextSegment) -> None:
         self._tracker.push(segment)
-        self.inner.push(segment)
+        if self.inner is None:
+            self._held.append(segment)
+        else:
+            self.inner.push(segment)
 
     def close_text(self) -> None:
-        self.inner.close_text()
+        if self.inner is None:
+            self._held.append(None)
+        else:
+            self.inner.close_text()
 
     def cancel(self) -> None:
         self._cancelled = True
-        self.inner.cancel()
+        if self.inner is not None:
+            self.inner.cancel()
         for job in self._jobs:
             job.cancelled = True
         self._channel.close()
-        self._pump.cancel()
+        if self._pump is not None:
+            self._pump.cancel()
+        self._end()
 
     def listen(self, listener: ChunkListener) -> bool:
         self._channel.listen(listener)
@@ -212,13 +282,17 @@ class AlignedStream(SynthesisStream):
         return self._channel.__aiter__()
 
     def queue_position(self) -> QueuePosition | None:
-        return self.inner.queue_position()
+        if self.ticket is not None and self.ticket.queued:
+            return self._engine.admission.position(self.ticket)
+        return None if self.inner is None else self.inner.queue_position()
 
     def queue_wait_s(self) -> float:
-        return self.inner.queue_wait_s()
+        waited = 0.0 if self.ticket is None else self.ticket.waited_s
+        return waited + (0.0 if self.inner is None else self.inner.queue_wait_s())
 
     # -- the pump (event loop) --------------------------------------------------------------
     async def _run(self) -> None:
+        assert self.inner is not None
         try:
             async for chunk in self.inner:
                 if self._cancelled:
@@ -231,16 +305,20 @@ class AlignedStream(SynthesisStream):
                     self._submit(job)
             if not self._tracker.inner_final:
                 self._channel.finish()  # ended without a final chunk (a stopped engine)
+                self._end()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._channel.fail(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+            self.fail(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
 
     def _submit(self, job: AlignJob) -> None:
         self._jobs.append(job)
+        fresh = max(0, job.window_end - max(job.window_start, self._aligned_to))
+        self._aligned_to = max(self._aligned_to, job.window_end)
         if self._tracker.window_too_long(job):
             self._on_aligned(job, job.fallback)
         else:
+            job.fresh_s = fresh / job.sample_rate
             self._engine.worker.submit(job, self._done_in_worker)
 
     def _done_in_worker(self, job: AlignJob, words: tuple[WordTiming, ...]) -> None:
@@ -259,10 +337,23 @@ class AlignedStream(SynthesisStream):
                 if self.mode == "sync" and self._inner_audio_at is not None:
                     self._engine.note_sync_delay(self._loop.time() - self._inner_audio_at)
             self._channel.put(chunk)
+            if chunk.final:
+                self._end()  # its last words are out: the aligner owes it nothing more
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._engine.release(self)
 
 
 class AlignedEngine:
-    """engine.api.Engine: `inner` with its words replaced by forced-aligned ones."""
+    """engine.api.Engine: `inner` with its words replaced by forced-aligned ones.
+
+    Admission: a stream whose mode is not "off" is admitted only while the aligner keeps up with
+    one more (engine.aligner_capacity, through engine.admission: `queue_limit` streams wait beyond
+    that, FIFO within priority, the rest are refused with a Retry-After), and then only as the
+    wrapped engine admits it (its own queue and refusals); an "off" stream goes to the wrapped
+    engine at once. An aligned stream holds its place from its admission to its last words."""
 
     def __init__(
         self,
@@ -271,6 +362,8 @@ class AlignedEngine:
         *,
         default_mode: AlignmentMode = "async",
         max_batch: int = 32,
+        queue_limit: int = 256,
+        cost: AlignerCapacity | None = None,
     ) -> None:
         if default_mode not in ALIGNMENT_MODES:
             raise ValueError(f"alignment mode must be one of {', '.join(ALIGNMENT_MODES)}")
@@ -279,10 +372,19 @@ class AlignedEngine:
         self._aligner_factory: Callable[[], Aligner] | None = None
         self._worker: AlignerWorker | None = None
         if isinstance(aligner, Aligner) and not isinstance(aligner, type):
-            self._worker = AlignerWorker(aligner, max_batch)
+            self._worker = AlignerWorker(aligner, max_batch, self._batch_in_worker)
         else:
             self._aligner_factory = aligner
         self.max_batch = max_batch
+        self.cost = cost or AlignerCapacity()
+        # bounded by the measured cost alone: the wrapped engine has its own bound
+        self.admission: Admission[AlignedStream] = Admission(
+            MAX_ALIGNED_STREAMS, queue_limit, capacity=self._cost_capacity, starts=self._starts
+        )
+        self._streams: set[AlignedStream] = set()  # opened, their place not yet given back
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._promoting = False
+        self._stopping = False
         self._sync_delays: deque[float] = deque(maxlen=1000)
 
     @property
@@ -296,20 +398,48 @@ class AlignedEngine:
         return self._worker
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
         if self._worker is None:
             assert self._aligner_factory is not None
-            self._worker = AlignerWorker(await asyncio.to_thread(self._aligner_factory), self.max_batch)
+            aligner = await asyncio.to_thread(self._aligner_factory)
+            self._worker = AlignerWorker(aligner, self.max_batch, self._batch_in_worker)
         await asyncio.to_thread(self._worker.warm_up)
         await self.inner.start()
         self._worker.start()
 
     async def stop(self) -> None:
+        self._stopping = True
+        for ticket in self.admission.queued_tickets():
+            ticket.item.fail(EngineError("engine stopped"))
         await self.inner.stop()
         if self._worker is not None:
             await asyncio.to_thread(self._worker.stop)
+        for stream in list(self._streams):  # a restart begins with nothing admitted
+            stream.cancel()
 
     def open(self, request: SynthesisRequest) -> AlignedStream:
-        return AlignedStream(self, self.inner.open(request), request, self.default_mode)
+        mode = request.word_alignment or self.default_mode
+        if mode not in ALIGNMENT_MODES:
+            raise InvalidRequest(f"word_alignment must be one of {', '.join(ALIGNMENT_MODES)}")
+        stream = AlignedStream(self, request, mode)
+        if mode != "off":
+            stream.ticket = self.admission.arrive(
+                stream, request.priority, request.max_wait_s
+            )  # or Overloaded
+        if stream.ticket is None or stream.ticket.admitted_at is not None:
+            try:
+                stream.attach(self.inner.open(request))  # or the wrapped engine's refusal
+            except BaseException:
+                if stream.ticket is not None:
+                    self.admission.leave(stream.ticket)
+                    self._promote()
+                raise
+        elif request.max_wait_s is not None:
+            self._arm_expiry()
+        self._streams.add(stream)
+        self._count()
+        return stream
 
     async def register_voice(
         self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
@@ -322,11 +452,99 @@ class AlignedEngine:
     def sync_delays_ms(self) -> list[float]:
         return [1000 * s for s in self._sync_delays]
 
+    # -- admission (event loop) -------------------------------------------------------------------
+    def _cost_capacity(self) -> int:
+        return self.cost.capacity(self.admission.max_streams)
+
+    def _starts(self) -> int:
+        return self.cost.starts(self._worker.queued_audio_s if self._worker is not None else 0.0)
+
+    def _count(self) -> None:
+        self.cost.streams(len(self.admission.admitted))
+
+    def _dispatch(self, stream: AlignedStream) -> None:
+        """An aligned stream admitted from the queue goes to the wrapped engine, which may queue it
+        too for what is left of its max wait, or refuse it."""
+        request = stream.request
+        if request.max_wait_s is not None and stream.ticket is not None:
+            request = dataclasses.replace(
+                request, max_wait_s=max(0.0, request.max_wait_s - stream.ticket.waited_s)
+            )
+        try:
+            stream.attach(self.inner.open(request))
+        except Exception as exc:
+            stream.fail(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+
+    def _promote(self) -> None:
+        """Admit the queued streams the aligner has room for now (in rounds, not recursion: a
+        stream the wrapped engine refuses gives its place back at once)."""
+        if self._promoting or self._stopping:
+            return
+        self._promoting = True
+        try:
+            while admitted := self.admission.admit_waiting():
+                for ticket in admitted:
+                    self._dispatch(ticket.item)
+        finally:
+            self._promoting = False
+        self._count()
+
+    def _expire(self) -> None:
+        for ticket in self.admission.expire():
+            ticket.item.fail(self.admission.expired_error(ticket))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
+        wait = self.admission.until_expiry()
+        if wait is not None and self._loop is not None:
+            self._loop.call_later(wait + 0.001, self._expire)
+
+    def release(self, stream: AlignedStream) -> None:
+        """A stream ended (or was refused, or cancelled): its place goes to the next one queued."""
+        self._streams.discard(stream)
+        if stream.ticket is not None:
+            self.admission.leave(stream.ticket)
+        self._promote()
+
+    def alignment_changed(self, stream: AlignedStream) -> None:
+        """A stream's mode went to or from "off" before its first chunk. To "off": it gives its
+        place back (one still queued goes to the wrapped engine now). From "off": it joins the
+        aligner's admission only if there is room now, its wrapped stream being open already;
+        otherwise it fails with the refusal."""
+        if stream.mode == "off":
+            if stream.ticket is not None:
+                self.admission.leave(stream.ticket)
+                if stream.inner is None:
+                    self._dispatch(stream)
+            self._promote()
+            return
+        try:
+            stream.ticket = self.admission.arrive(stream, stream.request.priority, max_wait_s=0.0)
+        except Overloaded as exc:
+            stream.refuse(exc)
+        self._count()
+
+    def _batch_in_worker(self, busy_s: float, audio_s: float, fresh_s: float) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed at shutdown
+                loop.call_soon_threadsafe(self._batch_measured, busy_s, audio_s, fresh_s)
+
+    def _batch_measured(self, busy_s: float, audio_s: float, fresh_s: float) -> None:
+        self.cost.batch(busy_s, audio_s, fresh_s)
+        self._promote()  # the cost measured, or the backlog drained, may admit more now
+
+    # -- load ---------------------------------------------------------------------------------------
     def load(self) -> EngineLoad:
         load = self.inner.load()
         extra = dict(load.extra)
+        capacity, figures, queued = load.capacity, load.admission, load.queued
         if self._worker is not None:
             stats = self._worker.stats
+            aligner = self.admission.figures()
+            off = len(self._streams) - aligner.admitted - aligner.queued
+            backlog = self.cost.backlog_s(self._worker.queued_audio_s)
             extra.update(
                 {
                     "aligner_jobs": float(stats.jobs),
@@ -336,10 +554,27 @@ class AlignedEngine:
                     "aligner_queued": float(self._worker.queued),
                     "aligner_largest_batch": float(stats.largest_batch),
                     "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
+                    # admission by the aligner's measured cost (engine.aligner_capacity)
+                    "aligner_capacity": float(aligner.capacity),
+                    "aligner_streams": float(aligner.admitted),
+                    "aligner_streams_queued": float(aligner.queued),
+                    "aligner_share": self.cost.share(aligner.admitted),
+                    "aligner_backlog_s": backlog,
                 }
             )
+            capacity = min(capacity, aligner.capacity + off)  # what a new aligned stream finds
+            both = aligner if figures is None else in_series(aligner, figures)
+            figures = dataclasses.replace(both, capacity=capacity)
+            queued += aligner.queued
         delays = sorted(self.sync_delays_ms())
         if delays:
             extra["aligner_sync_added_ttfa_ms_p50"] = delays[len(delays) // 2]
             extra["aligner_sync_added_ttfa_ms_p95"] = delays[min(len(delays) - 1, int(0.95 * len(delays)))]
-        return dataclasses.replace(load, ready=load.ready and (self._worker is not None), extra=extra)
+        return dataclasses.replace(
+            load,
+            queued=queued,
+            capacity=capacity,
+            ready=load.ready and (self._worker is not None),
+            extra=extra,
+            admission=figures,
+        )

@@ -118,6 +118,9 @@ class AlignJob:
     urgent: bool = False  # sync mode: audio waits on it
     cancelled: bool = False
     probe: bool = False  # a sync probe: the audio so far of a segment still being made
+    # seconds of the window no earlier job of the utterance held (probes overlap): the stream's
+    # own audio, against which the aligner's cost is measured (engine.aligner_capacity)
+    fresh_s: float = 0.0
 
     @property
     def audio_s(self) -> float:

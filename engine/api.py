@@ -96,6 +96,10 @@ class SynthesisRequest:
     # wait is longer is refused at once (Overloaded), one still queued when it passes is refused
     # then; None: the queue's own bound only; 0: admitted at once or refused
     max_wait_s: float | None = None
+    # where an engine with a forced aligner takes the words from: "sync", "async" or "off" (as
+    # SynthesisStream.set_word_alignment); None: its default. Known at open, it decides whether
+    # the stream counts towards the aligner's share in admission
+    word_alignment: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +265,8 @@ class SynthesisStream(Protocol):
     def set_word_alignment(self, mode: str) -> None:
         """Where the words of an engine with a forced aligner come from: "async" (audio at once,
         words when aligned), "sync" (audio held until its words are aligned) or "off" (the engine's
-        own words). Called right after open(), before the first chunk; an engine without an aligner
-        keeps its own words."""
+        own words), in place of the request's `word_alignment`; effective before the first chunk.
+        An engine without an aligner keeps its own words."""
         return None
 
     def queue_position(self) -> QueuePosition | None:

@@ -478,6 +478,8 @@ _MEAN_FIGURES = (
     "prefill_tokens",
     "codec_frames",
     "codec_launches",
+    "aligner_share",  # each worker's aligner shares its own GPU
+    "aligner_backlog_s",
 )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -520,13 +521,15 @@ class Session:
             self._execute(self.protocol.tick(self._loop.time()))
 
     def _open(self, action: OpenStream) -> list[Action]:
+        # the words' source goes with the request: an engine with a forced aligner admits a stream
+        # that wants none without counting it towards the aligner's share
+        request = dataclasses.replace(action.request, word_alignment=self.protocol.word_alignment)
         try:
-            stream = self.engine.open(action.request)
+            stream = self.engine.open(request)
         except Exception as exc:
             if not isinstance(exc, EngineError):
                 log.exception("engine.open failed")
             return self.protocol.open_failed(action.utterance_id, exc)
-        stream.set_word_alignment(self.protocol.word_alignment)  # taken by an engine with a forced aligner
         self._streams[action.utterance_id] = stream
         self.metrics.utterances.labels("stream").inc()
         uid = action.utterance_id

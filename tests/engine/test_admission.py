@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.admission import QUEUE_WAIT_BOUNDS_S, Admission, LoadCurve
+from engine.admission import QUEUE_WAIT_BOUNDS_S, Admission, LoadCurve, in_series
 from engine.api import Overloaded, Priority
 
 
@@ -176,3 +176,25 @@ def test_waits_are_counted_in_the_histogram_and_the_window() -> None:
     clock.now = 100.0  # the window forgets, the histogram does not
     figures = adm.figures()
     assert figures.wait_p50_s is None and figures.wait_counts[-1] == 3
+
+
+def test_two_admissions_in_series_report_both_queues_and_the_second_ones_streams() -> None:
+    clock = Clock()
+    first: Admission[str] = Admission(max_streams=1, queue_limit=1, clock=clock)
+    then: Admission[str] = Admission(max_streams=4, queue_limit=3, clock=clock)
+    admitted = first.arrive("a")
+    then.arrive("a")
+    waiting = first.arrive("b")
+    with pytest.raises(Overloaded):
+        first.arrive("c")
+    clock.now = 2.0
+    first.leave(admitted)
+    assert first.admit_waiting() == [waiting]  # waited 2 s in the first queue
+    then.arrive("b")
+    then.arrive("off, past the first")
+    figures = in_series(first.figures(), then.figures())
+    assert (figures.admitted, figures.capacity, figures.max_streams) == (3, 4, 4)
+    assert (figures.queued, figures.queue_limit, figures.queued_total) == (0, 4, 1)
+    assert figures.refused == {"queue_full": 1, "max_wait": 0, "wait_expired": 0}
+    assert figures.wait_counts[-1] == 1 and figures.wait_sum_s == pytest.approx(2.0)
+    assert figures.wait_p50_s == pytest.approx(2.0)

@@ -28,6 +28,7 @@ TORCH_FREE = {
     "engine.vllm_omni.engine",
     "engine.workers",
     "engine.aligned",
+    "engine.aligner_capacity",
     "engine.alignment_track",
     "engine.qwen3.reference_audio",
 }
