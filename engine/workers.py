@@ -473,13 +473,15 @@ class WorkerStream(SynthesisStream):
 _MEAN_FIGURES = (
     "step_ms_",
     "batch_",
-    "ttfa_p50",
+    "ttfa_p",
+    "lead_",
     "kv_utilisation",
     "prefill_tokens",
     "codec_frames",
     "codec_launches",
     "aligner_share",  # each worker's aligner shares its own GPU
     "aligner_backlog_s",
+    "aligner_sync_added_ttfa_ms_",
 )
 
 

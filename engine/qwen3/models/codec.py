@@ -72,10 +72,11 @@ class Code2WavConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Causal convolutions over [batch, time, channels] activations (channels last in memory: cuDNN's
-# tensor-core kernels take that layout, so no convolution converts its input or output). Offline:
-# pad on the left. Streaming: the left context comes from a per-slot history pool (`state`,
-# [slots, history, channels]) that each call reads and refreshes.
+# Causal convolutions over [batch, time, channels] activations (channels last in memory: the fused
+# kernel of engine.qwen3.models.fused_conv and cuDNN's tensor-core kernels take that layout, so no
+# convolution converts its input or output). Offline: pad on the left. Streaming: the left context
+# comes from a per-slot history pool (`state`, [slots, history, channels]) that each call reads and
+# refreshes.
 # ----------------------------------------------------------------------------------------------
 
 

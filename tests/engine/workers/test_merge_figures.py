@@ -29,6 +29,17 @@ def test_times_and_sizes_are_averaged_counts_and_bytes_summed():
     assert merged["prefix_cache_hits"] == 3.0  # reported by one worker only
 
 
+def test_latency_percentiles_and_shares_are_averaged_not_summed():
+    a = {"aligner_sync_added_ttfa_ms_p50": 300.0, "lead_chunk_p10_ms": 100.0, "ttfa_p90_ms": 80.0}
+    b = {"aligner_sync_added_ttfa_ms_p50": 500.0, "lead_chunk_p10_ms": 300.0, "ttfa_p90_ms": 120.0}
+    b |= {"aligner_share": 0.5, "ttfa_samples": 10.0}
+    a |= {"aligner_share": 0.3, "ttfa_samples": 30.0}
+    merged = merge_worker_figures([a, b])
+    assert merged["aligner_sync_added_ttfa_ms_p50"] == 400.0 and merged["lead_chunk_p10_ms"] == 200.0
+    assert merged["ttfa_p90_ms"] == 100.0 and merged["aligner_share"] == 0.4
+    assert merged["ttfa_samples"] == 40.0  # a count
+
+
 def test_one_worker_passes_its_figures_through():
     only = {"step_ms_codec": 39.4, "kv_bytes_total": 3.7e10}
     assert merge_worker_figures([only]) == only
