@@ -333,6 +333,9 @@ def make_speech_endpoint(
                     ref_audio=req.ref_audio,
                     ref_text=req.ref_text,
                     max_wait_s=None if req.max_wait_ms is None else req.max_wait_ms / 1000,
+                    # words only when asked for: an engine with a forced aligner then admits the
+                    # request without counting it towards the aligner's share
+                    word_alignment=None if req.timestamps else "off",
                 )
             )
         except EngineError as exc:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -521,11 +520,8 @@ class Session:
             self._execute(self.protocol.tick(self._loop.time()))
 
     def _open(self, action: OpenStream) -> list[Action]:
-        # the words' source goes with the request: an engine with a forced aligner admits a stream
-        # that wants none without counting it towards the aligner's share
-        request = dataclasses.replace(action.request, word_alignment=self.protocol.word_alignment)
         try:
-            stream = self.engine.open(request)
+            stream = self.engine.open(action.request)
         except Exception as exc:
             if not isinstance(exc, EngineError):
                 log.exception("engine.open failed")

@@ -65,6 +65,9 @@ class Admission(ProtocolState):
                 instructions=self.instructions,
                 forced_frames=forced_frames,
                 max_wait_s=None if max_wait_ms is None else max_wait_ms / 1000,
+                # known at open: an engine with a forced aligner counts only the streams that want
+                # its words towards the aligner's share in admission
+                word_alignment=self.word_alignment,
             )
         else:
             request = SynthesisRequest(
@@ -73,6 +76,7 @@ class Admission(ProtocolState):
                 language=request.language,
                 instructions=request.instructions,
                 max_wait_s=request.max_wait_s,
+                word_alignment=self.word_alignment,
             )
         utt = Utterance(
             utterance_id=uid,

@@ -171,6 +171,21 @@ def test_session_start_sets_output_and_request_fields() -> None:
     assert request.request_id == "s1/u1"
 
 
+def test_the_request_says_where_its_words_come_from() -> None:
+    """Known at open, so an engine with a forced aligner counts only the streams that want its
+    words towards the aligner's share."""
+    for start, expected in (
+        ({}, "async"),
+        ({"alignment": "sync"}, "sync"),
+        ({"timestamps": "none"}, "off"),
+        ({"timestamps": "none", "alignment": "sync"}, "off"),
+    ):
+        h = Harness()
+        h.send(type="session.start", **start)
+        h.say("u1", "Hi.")
+        assert h.requests["u1"].word_alignment == expected, start
+
+
 def test_mulaw_defaults_to_8k() -> None:
     h = Harness()
     h.send(type="session.start", output={"encoding": "mulaw"})

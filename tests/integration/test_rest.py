@@ -161,3 +161,14 @@ async def test_metrics_count_rest_errors(gateway: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.http) as http:
         text = (await http.get("/metrics")).text
     assert 'cadence_errors_total{code="invalid_message"} 1.0' in text
+
+
+async def test_a_request_wants_the_aligners_words_only_with_timestamps(gateway: RunningGateway) -> None:
+    """Without `timestamps` the request says "off": an engine with a forced aligner admits it
+    without counting it towards the aligner's share."""
+    engine = gateway.engine
+    assert isinstance(engine, FakeEngine)
+    for body, expected in (({}, "off"), ({"timestamps": True, "stream_format": "sse"}, None)):
+        response = await post(gateway, input="Hi.", response_format="pcm", **body)
+        assert response.status_code == 200
+        assert engine.streams[-1].request.word_alignment == expected, body
