@@ -1,12 +1,9 @@
 """`AlignedEngine`: any engine.api.Engine plus a forced aligner, giving words with `source: "aligner"`.
 
-The aligner runs in its own thread (`AlignerWorker`). Each utterance's audio reaches it segment by
-segment as the wrapped engine produces it (see engine.alignment_track); the worker sleeps on a
-condition until jobs are queued, then takes every queued job (sync-mode jobs first, up to
-`max_batch`) as one batch, so concurrent utterances share aligner passes without any polling. An idle
-worker starts on a job the moment it is queued (no batching window); jobs that arrive during a call
-form the next batch. An aligner with a `warm_up(max_batch)` method has it run once at `start()`, off
-the event loop, so the first requests do not pay its kernels' first-use costs.
+The aligner runs in its own thread (engine.aligner_worker), batching the jobs of every stream. Each
+utterance's audio reaches it segment by segment as the wrapped engine produces it (see
+engine.alignment_track). An aligner with a `warm_up(max_batch)` method has it run once at
+`start()`, off the event loop, so the first requests do not pay its kernels' first-use costs.
 
 Per stream the mode is "async" by default (audio passes at once, words follow when known), "sync"
 (audio held until its words are known, released word by word as probes of the segment being made
@@ -26,18 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from aligner.api import AlignedWord, Aligner
+from aligner.api import Aligner
 from engine.admission import Admission, Ticket, in_series
 from engine.aligner_capacity import AlignerCapacity
+from engine.aligner_worker import AlignerWorker
 from engine.alignment_track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
 from engine.api import (
     AudioChunk,
@@ -56,133 +51,7 @@ from engine.api import (
 )
 from engine.bridge import ChunkChannel
 
-JobDone = Callable[[AlignJob, tuple[WordTiming, ...]], None]
 MAX_ALIGNED_STREAMS = 1 << 16  # admission's upper bound; the measured cost is the real one
-
-
-@dataclass(slots=True)
-class AlignerStats:
-    jobs: int = 0
-    probes: int = 0  # sync probes of segments still being made (engine.alignment_track)
-    batches: int = 0
-    failures: int = 0  # jobs answered with the engine's own words
-    audio_s: float = 0.0  # aligned, probes' audio included
-    stream_audio_s: float = 0.0  # of it, the streams' own audio, each second once (AlignJob.fresh_s)
-    busy_s: float = 0.0
-    largest_batch: int = 0
-
-
-BatchDone = Callable[[float, float, float], None]  # (busy s, audio s, the streams' own audio s)
-
-
-class AlignerWorker:
-    """Batches alignment jobs from every stream on one thread; `on_batch` hears what each call cost
-    (on this thread)."""
-
-    def __init__(self, aligner: Aligner, max_batch: int = 32, on_batch: BatchDone | None = None) -> None:
-        self.aligner = aligner
-        self.max_batch = max_batch
-        self.on_batch = on_batch
-        self.stats = AlignerStats()
-        self._cond = threading.Condition()
-        self._urgent: deque[tuple[AlignJob, JobDone]] = deque()
-        self._later: deque[tuple[AlignJob, JobDone]] = deque()
-        self._queued_audio_s = 0.0
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._serve, name="aligner", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def warm_up(self) -> None:
-        warm_up = getattr(self.aligner, "warm_up", None)
-        if callable(warm_up):
-            warm_up(self.max_batch)
-
-    def submit(self, job: AlignJob, done: JobDone) -> None:
-        with self._cond:
-            (self._urgent if job.urgent else self._later).append((job, done))
-            self._queued_audio_s += job.audio_s
-            self._cond.notify()
-
-    @property
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._urgent) + len(self._later)
-
-    @property
-    def queued_audio_s(self) -> float:
-        """Audio waiting for the aligner (the backlog)."""
-        with self._cond:
-            return max(0.0, self._queued_audio_s)
-
-    def _take_batch(self) -> list[tuple[AlignJob, JobDone]] | None:
-        with self._cond:
-            while not (self._urgent or self._later) and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            batch: list[tuple[AlignJob, JobDone]] = []
-            for queue in (self._urgent, self._later):
-                while queue and len(batch) < self.max_batch:
-                    item = queue.popleft()
-                    self._queued_audio_s -= item[0].audio_s
-                    if not item[0].cancelled:
-                        batch.append(item)
-            return batch
-
-    def _serve(self) -> None:
-        while (batch := self._take_batch()) is not None:
-            if batch:
-                self._run(batch)
-
-    def _run(self, batch: list[tuple[AlignJob, JobDone]]) -> None:
-        jobs = [job for job, _ in batch]
-        began = time.perf_counter()
-        try:
-            results: list[list[AlignedWord] | None] = list(self._align(jobs))
-        except Exception:
-            results = [self._align_alone(job) for job in jobs]  # one bad input must not sink the rest
-        busy = time.perf_counter() - began
-        audio, fresh = sum(job.audio_s for job in jobs), sum(job.fresh_s for job in jobs)
-        self.stats.busy_s += busy
-        self.stats.audio_s += audio
-        self.stats.stream_audio_s += fresh
-        self.stats.batches += 1
-        self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
-        if self.on_batch is not None:
-            self.on_batch(busy, audio, fresh)
-        for (job, done), aligned in zip(batch, results, strict=True):
-            if job.probe:
-                self.stats.probes += 1
-            else:
-                self.stats.jobs += 1
-            if aligned is None:
-                self.stats.failures += 0 if job.probe else 1
-                words = job.fallback
-            else:
-                words = job.words_from(aligned)
-            done(job, words)
-
-    def _align(self, jobs: list[AlignJob]) -> list[list[AlignedWord]]:
-        return self.aligner.align([(job.audio, job.sample_rate, job.text, job.language) for job in jobs])
-
-    def _align_alone(self, job: AlignJob) -> list[AlignedWord] | None:
-        try:
-            return self._align([job])[0]
-        except Exception:
-            return None
 
 
 class AlignedStream(SynthesisStream):

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from aligner.api import AlignedWord, AlignInput
-from engine.aligned import AlignedEngine, AlignedStream, AlignerWorker
+from engine.aligned import AlignedEngine, AlignedStream
 from engine.aligner_capacity import AlignerCapacity
+from engine.aligner_worker import AlignerWorker
 from engine.alignment_track import AlignJob
 from engine.api import AudioChunk, Overloaded, SynthesisRequest, TextSegment
 from tests.engine.alignment.fakes import LateWordsEngine, SpreadAligner, ToneAligner
