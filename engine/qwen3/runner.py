@@ -209,7 +209,9 @@ class Runner:
         if cuda:  # the Triton kernels are checked against torch before any graph is captured
             # Code2Wav's convolutions run the fused kernel, which needs no tuning; where it is off,
             # cuDNN autotunes each graph bucket's shapes while they are captured (its untuned picks
-            # are far slower at the large buckets)
+            # are far slower at the large buckets). The flag is the process's: a forced aligner
+            # sharing the worker runs its convolutions on cuDNN's default picks, as
+            # bench/gpu_aligner_bench.py measures it
             torch.backends.cudnn.benchmark = not fused_conv.check(dev)
             sampler.draw_kernel.check(dev)
             fused_norm.check(dev)
