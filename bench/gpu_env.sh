@@ -6,5 +6,6 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .cache/site .whl/*.whl \
   || return 1 2>/dev/null || exit 1
 export PYTHONPATH="$PWD/.cache/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$PWD/.cache/site/bin:$PATH" PYTHONUNBUFFERED=1
+export PATH="$PWD/.cache/site/bin:$PWD/.whl/bin:$PATH" PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH="$PWD/.whl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # redis-server's (bench/gpu_wheels.sh)
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"

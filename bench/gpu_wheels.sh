@@ -19,3 +19,12 @@ for name in $names; do
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
     --platform manylinux_2_34_x86_64 --platform manylinux1_x86_64
 done
+# redis-server for the multi-gateway runs (bench/gpus.sh): this machine's binary and the libraries a
+# bare GPU image may lack, into .whl/bin and .whl/lib (bench/gpu_env.sh puts them on the paths)
+if command -v redis-server >/dev/null; then
+  mkdir -p .whl/bin .whl/lib
+  cp -L "$(command -v redis-server)" .whl/bin/redis-server
+  ldd "$(command -v redis-server)" | awk '/=> \//{print $3}' | grep -E 'liblzf|libjemalloc|libatomic' \
+    | xargs -r -I{} cp -L {} .whl/lib/
+  echo "gpu_wheels: redis-server $(redis-server --version | cut -d' ' -f3)"
+fi

@@ -13,7 +13,7 @@ window (after `--warmup`).
 
 The cost model (`--preset`, or `--costs` JSON with Costs' fields) comes from H200 measurements in
 deploy/bench: Code2Wav per (rows, frames) from every graph shape the engine replays
-(`h200-codec-shapes.json`, `bench/gpu_session.sh 6`), interpolated, times the preset's `codec_scale`
+(`h200-codec-shapes.json`, `bench/gpu_session.sh codec`), interpolated, times the preset's `codec_scale`
 (`--codec-scale`) and, where a preset names one, a newer Code2Wav's ratio to that table on fewer
 shapes; talker decode and sampling per row, and the host term, per preset:
 
