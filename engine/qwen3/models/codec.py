@@ -111,6 +111,12 @@ class _Streamable(nn.Module):
         self.state.index_copy_(0, slots, full[:, -self.history :])
         return full
 
+    def _with_context(self, x: Tensor, slots: Tensor | None) -> Tensor:
+        """x with its left context in front: the slots' history, or silence offline."""
+        if not self.history:
+            return x
+        return F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
+
 
 def _depthwise(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
     """A depthwise causal conv over x [B, T_in, C] as shifted multiply-adds in fp32 (the fused
@@ -134,14 +140,9 @@ class CausalConv(_Streamable):
         self.channels = c_in
         self._packed = fused_conv.Packed()
 
-    def _input(self, x: Tensor, slots: Tensor | None) -> Tensor:
-        if not self.history:
-            return x
-        return F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
-
     def forward(self, x: Tensor, slots: Tensor | None = None, with_bias: bool = True) -> Tensor:
         """x [B, T, C]. with_bias=False: the caller adds `conv.bias` itself, fused into its next op."""
-        x = self._input(x, slots)
+        x = self._with_context(x, slots)
         bias = self.conv.bias if with_bias else None
         if fused_conv.available(x):
             if self.conv.groups == 1:
@@ -160,7 +161,7 @@ class CausalConv(_Streamable):
     ) -> Tensor:
         """The conv with its bias, then `snake`, then `+ residual`, in one fused kernel (CUDA only:
         the caller checks fused_conv.available)."""
-        x = self._input(x, slots)
+        x = self._with_context(x, slots)
         weight, bias = self._packed.get(self.conv.weight, self.conv.bias)
         params = None if snake is None else snake.fp32_params()
         k, d = self.conv.kernel_size[0], self.conv.dilation[0]
@@ -182,8 +183,7 @@ class CausalTransConv(_Streamable):
         n_new = x.shape[1] * self.stride
         if fused_conv.available(x) and self.conv.kernel_size[0] % self.stride == 0:
             # taps = history + 1 inputs per output frame; offline, silence stands in for the history
-            if self.history:
-                x = F.pad(x, (0, 0, self.history, 0)) if slots is None else self._with_history(x, slots)
+            x = self._with_context(x, slots)
             weight, bias = self._packed.get(self.conv.weight, self.conv.bias, self.stride)
             y = fused_conv.conv(x, weight, self.history + 1, 1, bias)
             return y.view(y.shape[0], n_new, -1)

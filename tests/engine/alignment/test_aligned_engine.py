@@ -55,18 +55,13 @@ def check_timeline(chunks: list[AudioChunk], text: str) -> None:
 
 
 @pytest.fixture
-async def started():
-    made: list[AlignedEngine] = []
+def started(engines):
+    """start(aligner=None, **options): an AlignedEngine over the tone engine (engines: conftest)."""
 
-    async def start(aligner=None, **options) -> AlignedEngine:
-        engine = AlignedEngine(FakeEngine(chunk_ms=40), aligner or SpreadAligner(), **options)
-        await engine.start()
-        made.append(engine)
-        return engine
+    def start(aligner=None, **options):
+        return engines(FakeEngine(chunk_ms=40), aligner or SpreadAligner(), **options)
 
-    yield start
-    for engine in made:
-        await engine.stop()
+    return start
 
 
 async def test_async_mode_passes_audio_first_and_words_follow(started):

@@ -60,21 +60,6 @@ async def timed(stream: AlignedStream) -> tuple[list[AudioChunk], float, float]:
     return chunks, audio_at, time.monotonic()
 
 
-@pytest.fixture
-async def engines():
-    made: list[AlignedEngine] = []
-
-    async def start(inner, aligner, **options) -> AlignedEngine:
-        engine = AlignedEngine(inner, aligner, **options)
-        await engine.start()
-        made.append(engine)
-        return engine
-
-    yield start
-    for engine in made:
-        await engine.stop()
-
-
 async def test_streams_past_the_aligners_capacity_wait_or_are_refused_and_admitted_words_keep_up(engines):
     # the wrapped engine speaks in real time: 40 ms of audio every 40 ms
     engine = await engines(
