@@ -336,6 +336,9 @@ class Session:
                 audio.popleft()
                 if not self._take_text(item.text, frames):
                     break
+                utt = self.protocol.by_stream(stream)
+                if utt is not None:  # delivered: its first packet went out before its trailer
+                    self._first_text_at.pop(utt.utterance_id, None)
                 self._execute(self.protocol.trailer_sent(stream))
                 continue
             assert isinstance(item, Packet)
@@ -560,7 +563,8 @@ class Session:
         waited = self._queue_wait(message["utterance_id"])
         if waited > 0:
             message["queued_ms"] = round(1000 * waited)
-        started = self._first_text_at.pop(message["utterance_id"], None)
+        # kept until the trailer is sent: the first packet may still be queued ahead of it
+        started = self._first_text_at.get(message["utterance_id"])
         if started is not None and message["duration_ms"] > 0:
             self.metrics.rtf.labels("stream").observe(
                 (self._loop.time() - started - waited) / (message["duration_ms"] / 1000)
