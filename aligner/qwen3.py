@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aligner.api import AlignedWord, AlignInput
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
+from engine.alignment.api import AlignedWord, AlignInput
 from engine.qwen3.models.layers import RMSNorm
 from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from engine.qwen3.models.speaker import mel_filterbank

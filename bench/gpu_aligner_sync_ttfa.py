@@ -1,6 +1,6 @@
 """Time to first audio that `alignment: "sync"` adds, at the real Qwen3-ForcedAligner-0.6B shapes.
 
-The stage (engine.aligned.AlignedEngine) wraps a paced stand-in for the TTS engine: each utterance's
+The stage (engine.alignment.engine.AlignedEngine) wraps a paced stand-in for the TTS engine: each utterance's
 first segment is `--first-s` seconds of audio produced `--speed` times faster than real time in
 80 ms frames (as the Qwen3 engine streams them), its words estimated when the segment ends. In sync
 mode the first audio leaves the stage only once the first segment is generated *and* aligned, so
@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
-from aligner.api import Aligner
 from bench.gpu_aligner_bench import WORDS, build_aligner
-from engine.aligned import AlignedEngine
+from engine.alignment.api import Aligner
+from engine.alignment.engine import AlignedEngine
 from engine.api import (
     AudioChunk,
     EngineInfo,

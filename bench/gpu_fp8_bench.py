@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import gpu_engine_bench as engine_bench  # noqa: E402
 from engine.qwen3.models.config import parse_config  # noqa: E402
 from engine.qwen3.models.fp8 import fp8_memory, quantize_talker  # noqa: E402
+from engine.qwen3.models.sampler import SamplingParams  # noqa: E402
 from engine.qwen3.models.talker import Talker  # noqa: E402
-from engine.qwen3.sampler import SamplingParams  # noqa: E402
 
 TOP_K = 50
 

@@ -171,7 +171,7 @@ def build_qwen3(options: EngineOptions) -> Engine:
 
 def with_aligner(engine: Engine, options: EngineOptions) -> Engine:
     """Words from the Qwen3 forced aligner in `options.aligner` (loaded in start(), off the loop)."""
-    from engine.aligned import AlignedEngine
+    from engine.alignment.engine import AlignedEngine
 
     def load_aligner() -> object:
         import torch

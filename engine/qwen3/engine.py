@@ -41,6 +41,7 @@ from engine.qwen3.core import EngineCore
 from engine.qwen3.kv_cache import KVCacheLayout, KVCacheManager, talker_kv_bytes_per_token
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import GenerationDefaults, Qwen3TTSConfig
+from engine.qwen3.models.sampler import SEED_MASK
 from engine.qwen3.models.talker import Talker
 from engine.qwen3.plan import RequestOutput
 from engine.qwen3.prefix_cache import PrefixKVCache, prefix_key, prefix_length
@@ -48,7 +49,6 @@ from engine.qwen3.prompts import PromptRequest, tokenize_request
 from engine.qwen3.reference_audio import prepare_reference_audio
 from engine.qwen3.request import SAMPLE_RATE, SAMPLES_PER_FRAME, Request, RequestStatus, Segment
 from engine.qwen3.runner import RowSampling, Runner, RunnerConfig, SegmentPrompt, capture_with_progress
-from engine.qwen3.sampler import SEED_MASK
 from engine.qwen3.scheduler import Scheduler, SchedulerConfig
 from engine.qwen3.tokenizer import TextTokenizer
 from engine.qwen3.voice_cache import VoicePromptCache

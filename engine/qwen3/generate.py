@@ -21,9 +21,7 @@ import torch
 from torch import Tensor
 
 from engine.qwen3.models.config import GenerationDefaults
-from engine.qwen3.models.talker import Talker
-from engine.qwen3.prompts import PromptEmbeds
-from engine.qwen3.sampler import (
+from engine.qwen3.models.sampler import (
     SEED_MASK,
     SamplingParams,
     mark_seen,
@@ -31,6 +29,8 @@ from engine.qwen3.sampler import (
     sample,
     suppression_mask,
 )
+from engine.qwen3.models.talker import Talker
+from engine.qwen3.prompts import PromptEmbeds
 
 
 @dataclass

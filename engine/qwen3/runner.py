@@ -33,18 +33,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.qwen3 import sampler
 from engine.qwen3.codec_state_cache import CodecStateCache
 from engine.qwen3.cuda_graphs import GraphBank, batch_buckets, bucket_for
-from engine.qwen3.models import decode_attention, fused_conv, fused_layer, fused_norm, fused_rope
+from engine.qwen3.models import decode_attention, fused_conv, fused_layer, fused_norm, fused_rope, sampler
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import Qwen3TTSConfig
-from engine.qwen3.models.talker import Talker
-from engine.qwen3.plan import CodecChunk, DecodeRow, Frame, PrefillChunk, StepOutput, StepPlan
-from engine.qwen3.prefix_cache import PrefixKVCache
-from engine.qwen3.prompt_builder import PromptBuilder, PromptItem
-from engine.qwen3.prompts import PromptEmbeds, PromptTokens
-from engine.qwen3.sampler import (
+from engine.qwen3.models.sampler import (
     SEED_MASK,
     SamplingParams,
     mask_talker_logits,
@@ -52,6 +46,11 @@ from engine.qwen3.sampler import (
     suppression_mask,
     top_k_within_bound,
 )
+from engine.qwen3.models.talker import Talker
+from engine.qwen3.plan import CodecChunk, DecodeRow, Frame, PrefillChunk, StepOutput, StepPlan
+from engine.qwen3.prefix_cache import PrefixKVCache
+from engine.qwen3.prompt_builder import PromptBuilder, PromptItem
+from engine.qwen3.prompts import PromptEmbeds, PromptTokens
 from engine.qwen3.stage_figures import StageFigures
 
 _NUMPY = {torch.long: np.int64, torch.float32: np.float32, torch.bool: np.bool_}  # host tensors' dtypes

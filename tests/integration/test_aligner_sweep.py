@@ -12,7 +12,7 @@ import pytest
 from bench.aligner_sweep import main as merge_main
 from bench.aligner_sweep import merge
 from clients.loadtest import bench_main
-from engine.aligned import AlignedEngine
+from engine.alignment.engine import AlignedEngine
 from engine.null import NullEngine
 from tests.engine.alignment.fakes import SpreadAligner
 from tests.integration.conftest import run_gateway

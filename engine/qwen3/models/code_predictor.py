@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from engine.qwen3.models.config import CodePredictorConfig
 from engine.qwen3.models.layers import DecoderStack, KVCache
-from engine.qwen3.sampler import SamplingParams, sample
+from engine.qwen3.models.sampler import SamplingParams, sample
 
 
 class CodePredictorModel(DecoderStack):
@@ -67,7 +67,7 @@ class CodePredictor(nn.Module):
 
         counter [B]: the row's noise counter for this frame; codebook j draws with counter + j.
         cache: a cache from `allocate_cache` with at least B slots (allocated when None).
-        bounded: every sampling row's top_k is within the bounded sampler's set (engine.qwen3.sampler)."""
+        bounded: every sampling row's top_k is within the bounded sampler's set (engine.qwen3.models.sampler)."""
         b = talker_hidden.shape[0]
         if cache is None:
             cache = self.allocate_cache(b, talker_hidden.device, talker_hidden.dtype)

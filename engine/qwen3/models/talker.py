@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from engine.qwen3.models.code_predictor import CodePredictor
 from engine.qwen3.models.config import TalkerConfig
 from engine.qwen3.models.layers import DecoderStack, KVCache
-from engine.qwen3.sampler import SamplingParams
+from engine.qwen3.models.sampler import SamplingParams
 
 
 class TalkerModel(DecoderStack):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.aligned import AlignedEngine
+from engine.alignment.engine import AlignedEngine
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from aligner.api import AlignedWord, AlignInput
 from aligner.text import UnitSplitter, display_spans
+from engine.alignment.api import AlignedWord, AlignInput
 from engine.api import (
     AudioChunk,
     EngineInfo,

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.aligned import AlignedEngine
+from engine.alignment.engine import AlignedEngine
 from engine.api import AudioChunk, SynthesisRequest, TextSegment
 from tests.engine.alignment.fakes import SpreadAligner
 from tests.fakes import FakeEngine

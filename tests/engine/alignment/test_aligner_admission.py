@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from aligner.api import AlignedWord, AlignInput
-from engine.aligned import AlignedEngine, AlignedStream
-from engine.aligner_capacity import AlignerCapacity
-from engine.aligner_worker import AlignerWorker
-from engine.alignment_track import AlignJob
+from engine.alignment.api import AlignedWord, AlignInput
+from engine.alignment.capacity import AlignerCapacity
+from engine.alignment.engine import AlignedEngine, AlignedStream
+from engine.alignment.track import AlignJob
+from engine.alignment.worker import AlignerWorker
 from engine.api import AudioChunk, Overloaded, SynthesisRequest, TextSegment
 from tests.engine.alignment.fakes import LateWordsEngine, SpreadAligner, ToneAligner
 from tests.engine.alignment.test_aligned_engine import check_timeline

@@ -1,11 +1,11 @@
-"""engine.aligner_capacity: the aligner's share of real time by aligned streams, from what a second
+"""engine.alignment.capacity: the aligner's share of real time by aligned streams, from what a second
 of their audio costs it, and the backlog that holds new streams back."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.aligner_capacity import AlignerCapacity
+from engine.alignment.capacity import AlignerCapacity
 
 
 class Clock:

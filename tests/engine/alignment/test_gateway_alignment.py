@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.aligned import AlignedEngine
+from engine.alignment.engine import AlignedEngine
 from gateway.messages import PacketHeader
 from tests.engine.alignment.fakes import SpreadAligner
 from tests.fakes import FakeEngine

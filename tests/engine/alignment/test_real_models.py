@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.aligned import AlignedEngine
+from engine.alignment.engine import AlignedEngine
 from engine.api import AudioChunk, SynthesisRequest, TextSegment
 from tests.engine.alignment.tiny_aligner import tiny_aligner
 from tests.engine.qwen3.utils import engine_config

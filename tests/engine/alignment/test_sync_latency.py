@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 import pytest
 
-from aligner.api import AlignedWord, AlignInput
-from engine.aligned import AlignedEngine
+from engine.alignment.api import AlignedWord, AlignInput
+from engine.alignment.engine import AlignedEngine
 from engine.api import (
     AudioChunk,
     EngineInfo,

@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from aligner.api import AlignedWord
-from engine.aligned import AlignedEngine
-from engine.alignment_track import AlignJob, AlignmentTracker
+from engine.alignment.api import AlignedWord
+from engine.alignment.engine import AlignedEngine
+from engine.alignment.track import AlignJob, AlignmentTracker
 from engine.api import AudioChunk, SynthesisRequest, TextSegment, WordTiming
 from tests.engine.alignment.fakes import HandFedEngine, LateWordsEngine, SpreadAligner, ToneAligner
 from tests.engine.alignment.tiny_aligner import tiny_aligner

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aligner.api import AlignedWord
-from engine.alignment_track import AlignJob, AlignmentTracker, content_end
+from engine.alignment.api import AlignedWord
+from engine.alignment.track import AlignJob, AlignmentTracker, content_end
 from engine.api import AudioChunk, TextSegment, WordTiming
 
 RATE = 1000  # samples per second, to keep the arithmetic readable

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.qwen3 import sampling_kernel
-from engine.qwen3.sampler import SamplingParams, draw_kernel, sample
+from engine.qwen3.models import sampling_kernel
+from engine.qwen3.models.sampler import SamplingParams, draw_kernel, sample
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or sampling_kernel.triton is None:

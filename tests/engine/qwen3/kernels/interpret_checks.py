@@ -601,7 +601,7 @@ def fused_conv_codec() -> str:
     return f"2 rows x 5 frames in chunks 1, 3, 1: max |diff| {diff:.3g}"
 
 
-# -- the bounded sampler's draw (engine.qwen3.sampling_kernel) ----------------------------------------------
+# -- the bounded sampler's draw (engine.qwen3.models.sampling_kernel) ----------------------------------------------
 
 
 @triton.jit
@@ -617,9 +617,9 @@ def _log(x):  # type: ignore[no-untyped-def]
 
 @contextlib.contextmanager
 def _libdevice_stand_in() -> Iterator[Any]:
-    """libdevice.div_rn / log as tl.math.div_rn / tl.log in engine.qwen3.sampling_kernel: the interpreter
+    """libdevice.div_rn / log as tl.math.div_rn / tl.log in engine.qwen3.models.sampling_kernel: the interpreter
     runs libdevice's Python stubs, which return None."""
-    from engine.qwen3 import sampling_kernel
+    from engine.qwen3.models import sampling_kernel
 
     original = sampling_kernel.__dict__["libdevice"]
     setattr(sampling_kernel, "libdevice", types.SimpleNamespace(div_rn=_div_rn, log=_log))  # noqa: B010
@@ -630,8 +630,8 @@ def _libdevice_stand_in() -> Iterator[Any]:
 
 
 def _draws(logits: torch.Tensor, params: Any, seed: torch.Tensor, counter: torch.Tensor) -> tuple[Any, Any]:
-    """(kernel, torch path) draws of engine.qwen3.sampler.sample(bounded=True)."""
-    from engine.qwen3.sampler import TOP_K_BOUND, sample
+    """(kernel, torch path) draws of engine.qwen3.models.sampler.sample(bounded=True)."""
+    from engine.qwen3.models.sampler import TOP_K_BOUND, sample
 
     with _libdevice_stand_in() as sampling_kernel:
         assert not logits.is_cuda  # so sample() below takes the torch path
@@ -648,7 +648,7 @@ def sampling_draw() -> str:
     """The kernel draws what the torch path draws (tests/engine/qwen3/gpu/test_sampling_kernel.py): every row
     without top-p; with top-p all but at most one row (its cumulative sum may round differently
     at the boundary)."""
-    from engine.qwen3.sampler import SamplingParams
+    from engine.qwen3.models.sampler import SamplingParams
 
     rows, vocab = 32, 300
     gen = torch.Generator().manual_seed(0)
@@ -670,7 +670,7 @@ def sampling_draw() -> str:
 @check
 def sampling_draw_masked_rows() -> str:
     """Rows of -inf logits but one or two ids draw only those ids."""
-    from engine.qwen3.sampler import SamplingParams
+    from engine.qwen3.models.sampler import SamplingParams
 
     logits = torch.full((3, 3072), float("-inf"))
     logits[:, 2150] = 0.0

@@ -278,7 +278,7 @@ def test_quantised_talker_logits_stay_close_to_fp32():
 def test_code_predictor_runs_quantised_with_its_own_cache():
     talker = tiny_talker()
     quantize_talker(talker, ("talker", "code_predictor"), emulate=True)
-    from engine.qwen3.sampler import SamplingParams
+    from engine.qwen3.models.sampler import SamplingParams
 
     b = 2
     params = SamplingParams.build([1.0] * b, [0] * b, [1.0] * b, [True] * b, "cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.qwen3.generate import GenerationRequest, generate_codes
-from engine.qwen3.sampler import (
+from engine.qwen3.models.sampler import (
     TOP_K_BOUND,
     SamplingParams,
     apply_repetition_penalty,

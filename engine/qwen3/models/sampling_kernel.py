@@ -4,10 +4,10 @@ In torch the draw over a row's 64 best candidates (temperature, top-k, top-p, th
 Gumbel noise, the argmax) is some 160 small kernels; the code predictor's frame runs it 16 times, so
 at small batches those launches, not the arithmetic, set the predictor's time. Here one program per
 row does it all on the candidates `torch.topk` returned. The noise is the same hash as
-engine.qwen3.sampler's (32-bit integer arithmetic, exact); logarithms and divisions use the correctly
+engine.qwen3.models.sampler's (32-bit integer arithmetic, exact); logarithms and divisions use the correctly
 rounded libdevice functions, so draws match the torch path except where top-p's cumulative sum
 rounds differently at its boundary. This module imports nothing of the sampler: the sampler
-compares the two on the device before first use (`engine.qwen3.sampler.draw_kernel`) and keeps
+compares the two on the device before first use (`engine.qwen3.models.sampler.draw_kernel`) and keeps
 the torch path if the kernel fails to build or disagrees.
 """
 
@@ -64,7 +64,7 @@ if triton is not None:
         tail = tl.cumsum(p, 0, reverse=True)  # mass of this rank and all less likely ones
         top_p = tl.load(top_p_ptr + row)
         keep = keep & ((tail > 1.0 - top_p) | (rank == 0))
-        # Gumbel noise of (seed, counter, vocabulary index), as engine.qwen3.sampler.uniform_noise_at
+        # Gumbel noise of (seed, counter, vocabulary index), as engine.qwen3.models.sampler.uniform_noise_at
         seed = tl.load(seed_ptr + row)
         counter = tl.load(counter_ptr + row)
         h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32))

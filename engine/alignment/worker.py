@@ -3,7 +3,7 @@
 The worker sleeps on a condition until jobs are queued, then takes every queued job (sync-mode jobs
 first, up to `max_batch`) as one batch, so concurrent utterances share aligner passes without any
 polling. An idle worker starts on a job the moment it is queued (no batching window); jobs that
-arrive during a call form the next batch. Each call's cost goes to `on_batch` (engine.aligned
+arrive during a call form the next batch. Each call's cost goes to `on_batch` (engine.alignment.engine
 measures the aligner's share for admission from it)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aligner.api import AlignedWord, Aligner
-from engine.alignment_track import AlignJob
+from engine.alignment.api import AlignedWord, Aligner
+from engine.alignment.track import AlignJob
 from engine.api import WordTiming
 
 JobDone = Callable[[AlignJob, tuple[WordTiming, ...]], None]
@@ -24,7 +24,7 @@ JobDone = Callable[[AlignJob, tuple[WordTiming, ...]], None]
 @dataclass(slots=True)
 class AlignerStats:
     jobs: int = 0
-    probes: int = 0  # sync probes of segments still being made (engine.alignment_track)
+    probes: int = 0  # sync probes of segments still being made (engine.alignment.track)
     batches: int = 0
     failures: int = 0  # jobs answered with the engine's own words
     audio_s: float = 0.0  # aligned, probes' audio included

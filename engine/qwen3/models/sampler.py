@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.qwen3 import sampling_kernel
+from engine.qwen3.models import sampling_kernel
 from engine.qwen3.models.kernel_guard import KernelGuard
 
 _MASK32 = 0xFFFFFFFF

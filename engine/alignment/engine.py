@@ -1,8 +1,8 @@
 """`AlignedEngine`: any engine.api.Engine plus a forced aligner, giving words with `source: "aligner"`.
 
-The aligner runs in its own thread (engine.aligner_worker), batching the jobs of every stream. Each
+The aligner runs in its own thread (engine.alignment.worker), batching the jobs of every stream. Each
 utterance's audio reaches it segment by segment as the wrapped engine produces it (see
-engine.alignment_track). An aligner with a `warm_up(max_batch)` method has it run once at
+engine.alignment.track). An aligner with a `warm_up(max_batch)` method has it run once at
 `start()`, off the event loop, so the first requests do not pay its kernels' first-use costs.
 
 Per stream the mode is "async" by default (audio passes at once, words follow when known), "sync"
@@ -11,7 +11,7 @@ time them; the added time to first audio is measured and reported in `load().ext
 (the wrapped engine's own words). The request says it (`SynthesisRequest.word_alignment`, the
 gateway's per session), or the stream's optional `set_word_alignment(mode)` before its first chunk.
 
-Admission counts the aligner's share (engine.aligner_capacity): a stream that wants the aligner's
+Admission counts the aligner's share (engine.alignment.capacity): a stream that wants the aligner's
 words is admitted only while the aligner keeps up with one more, and then as the wrapped engine
 admits it; beyond that it waits in a bounded queue (`utterance.queued`, through `queue_position`)
 or is refused (Overloaded, with a Retry-After), as the wrapped engine's own admission does. "off"
@@ -29,11 +29,11 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import numpy.typing as npt
 
-from aligner.api import Aligner
 from engine.admission import Admission, Ticket, in_series
-from engine.aligner_capacity import AlignerCapacity
-from engine.aligner_worker import AlignerWorker
-from engine.alignment_track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
+from engine.alignment.api import Aligner
+from engine.alignment.capacity import AlignerCapacity
+from engine.alignment.track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
+from engine.alignment.worker import AlignerWorker
 from engine.api import (
     AudioChunk,
     ChunkListener,
@@ -219,7 +219,7 @@ class AlignedEngine:
     """engine.api.Engine: `inner` with its words replaced by forced-aligned ones.
 
     Admission: a stream whose mode is not "off" is admitted only while the aligner keeps up with
-    one more (engine.aligner_capacity, through engine.admission: `queue_limit` streams wait beyond
+    one more (engine.alignment.capacity, through engine.admission: `queue_limit` streams wait beyond
     that, FIFO within priority, the rest are refused with a Retry-After), and then only as the
     wrapped engine admits it (its own queue and refusals); an "off" stream goes to the wrapped
     engine at once. An aligned stream holds its place from its admission to its last words."""
@@ -423,7 +423,7 @@ class AlignedEngine:
                     "aligner_queued": float(self._worker.queued),
                     "aligner_largest_batch": float(stats.largest_batch),
                     "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
-                    # admission by the aligner's measured cost (engine.aligner_capacity)
+                    # admission by the aligner's measured cost (engine.alignment.capacity)
                     "aligner_capacity": float(aligner.capacity),
                     "aligner_streams": float(aligner.admitted),
                     "aligner_streams_queued": float(aligner.queued),

@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from aligner.api import AlignedWord
+from engine.alignment.api import AlignedWord
 from engine.api import AudioChunk, TextSegment, WordTiming, float_samples
 
 AlignmentMode = Literal["sync", "async", "off"]
@@ -119,7 +119,7 @@ class AlignJob:
     cancelled: bool = False
     probe: bool = False  # a sync probe: the audio so far of a segment still being made
     # seconds of the window no earlier job of the utterance held (probes overlap): the stream's
-    # own audio, against which the aligner's cost is measured (engine.aligner_capacity)
+    # own audio, against which the aligner's cost is measured (engine.alignment.capacity)
     fresh_s: float = 0.0
 
     @property

@@ -1,0 +1,42 @@
+"""What the aligner stage asks of a forced aligner: audio + text in, timed words out (aligner.qwen3
+is one). Imports neither torch nor a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+# One alignment job: mono float32 PCM, its sample rate, the text as the client sent it, a language
+# name ("English", "Chinese", "Japanese", …; ISO codes "ja"/"ko" are accepted too).
+AlignInput = tuple[np.ndarray, int, str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class AlignedWord:
+    """One timed unit of the text.
+
+    ``char_start``/``char_end`` are code-point offsets into the text exactly as sent, covering the
+    unit and the punctuation attached to it; ``text`` is that slice. Times are seconds from the
+    first sample of the aligned audio.
+    """
+
+    text: str
+    start_s: float
+    end_s: float
+    char_start: int
+    char_end: int
+
+
+@runtime_checkable
+class Aligner(Protocol):
+    """Forced alignment of known text to audio, batched: one word list per input, in order."""
+
+    @property
+    def max_audio_s(self) -> float:
+        """The longest audio one input may hold."""
+        ...
+
+    def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]: ...
