@@ -106,10 +106,11 @@ class Gateway:
         *,
         cluster: Cluster | None = None,
         webhooks: WebhookSender | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.config = config
         self.cluster = cluster
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
         self.ready = False
         self.closing = False
         self.auth = auth or from_environment(config.api_keys_file, config.allowed_origins)
@@ -278,13 +279,14 @@ def create_app(
 ) -> Starlette:
     config = config or GatewayConfig()
     webhooks = WebhookSender.from_env()
-    twilio = TwilioGateway(engine, config, webhooks)
+    metrics = GatewayMetrics()  # /v1/stream's, REST's and the phone lines' alike
+    twilio = TwilioGateway(engine, config, webhooks, metrics=metrics)
     cluster = None
     if config.redis_url:  # replicas sharing voices, quotas and control (gateway.cluster.state)
         from gateway.cluster.state import Cluster
 
         cluster = Cluster(engine, config, twilio)
-    gateway = Gateway(engine, config, auth, cluster=cluster, webhooks=webhooks)
+    gateway = Gateway(engine, config, auth, cluster=cluster, webhooks=webhooks, metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -108,6 +108,7 @@ class CallActions(BargeIn):
                 self._wake.set()
             self.to_agent(message)
         elif kind == "error":
+            self.metrics.errors.labels(message["code"]).inc()
             self.to_agent(message)
 
     def _hold(self, action: Hold) -> list[Action]:
@@ -163,12 +164,15 @@ class CallActions(BargeIn):
         self.utterances[uid] = line
         self._streams[utt.stream] = line
         line.pull = self.loop.create_task(self._pull(line))
+        self.metrics.utterances.labels("twilio").inc()
         return self.protocol.open_succeeded(uid)
 
     def _push(self, action: PushText) -> list[Action]:
         line = self.utterances.get(action.utterance_id)
         if line is None or not line.live:
             return []
+        if line.first_text_at is None:
+            line.first_text_at = self.loop.time()
         try:
             line.engine_stream.push(action.segment)
         except Exception as exc:

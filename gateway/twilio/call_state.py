@@ -17,6 +17,7 @@ from starlette.websockets import WebSocket
 from engine.api import Engine
 from gateway.config import GatewayConfig
 from gateway.messages import ProtocolError, encode
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import Action, SessionProtocol
 from gateway.twilio.line import Mark, PhoneUtterance
 from gateway.twilio.media import FRAME_MS, RATE
@@ -41,12 +42,14 @@ class CallState:
         config: GatewayConfig,
         options: TwilioOptions,
         webhooks: WebhookSender,
+        metrics: GatewayMetrics,
     ) -> None:
         self.call_sid = call_sid
         self.engine = engine
         self.config = config
         self.options = options
         self.webhooks = webhooks
+        self.metrics = metrics  # the gateway's, with the endpoint label "twilio"
         self.loop = asyncio.get_running_loop()
         line_config = replace(
             config,
@@ -67,6 +70,7 @@ class CallState:
         self.webhook_url: str | None = None
         self.utterances: dict[str, PhoneUtterance] = {}  # in the order they were opened
         self._streams: dict[int, PhoneUtterance] = {}
+        self.line_free_at = self.loop.time()  # when the line last finished sending an utterance
         self.vad = EnergyVad(options.vad_threshold_dbfs, options.vad_attack_ms, options.vad_hang_ms)
         self._marks: dict[str, Mark] = {}  # sent, not yet back, not voided by a clear
         self._to_twilio: deque[dict[str, Any]] = deque()  # control (clear), ahead of media

@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.api import Engine
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
 from gateway.twilio.call import Call
 from gateway.twilio.call_state import AgentSink
 from gateway.twilio.vad import TwilioOptions
@@ -48,11 +49,14 @@ class TwilioGateway:
         config: GatewayConfig,
         webhooks: WebhookSender,
         options: TwilioOptions | None = None,
+        *,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.webhooks = webhooks
         self.options = options or TwilioOptions()
+        self.metrics = metrics or GatewayMetrics()
         self.calls: dict[str, Call] = {}
         self.router: CallRouter | None = None
 
@@ -65,7 +69,7 @@ class TwilioGateway:
     def _call(self, call_sid: str) -> Call:
         call = self.calls.get(call_sid)
         if call is None or call.ended:
-            call = Call(call_sid, self.engine, self.config, self.options, self.webhooks)
+            call = Call(call_sid, self.engine, self.config, self.options, self.webhooks, self.metrics)
             self.calls[call_sid] = call
         return call
 

@@ -50,6 +50,8 @@ class PhoneUtterance:
     resume_from: int = 0  # where playing starts (again, after a pause)
     sent_samples: int = 0  # the end of the last frame sent
     report: dict[str, Any] | None = None  # its utterance.interrupted, as the agent got it
+    first_text_at: float | None = None  # loop time of its first text
+    ttfa_counted: bool = False  # its first frame went out and its time to first audio is counted
 
     @property
     def live(self) -> bool:

@@ -60,10 +60,20 @@ class Playout(CallState):
             line.on_line = True
             await websocket.send_text(encode(twilio_message(self.stream_sid, "media", payload=item.payload)))
             now = self.loop.time()
+            if not line.ttfa_counted and line.first_text_at is not None:
+                self._count_ttfa(line, now)
             self._run(self.protocol.packet_sent(line.stream, item, now))
             if line.live and not line.paused and not self._to_twilio:
                 for message in self._after_packet(line, item, now):
                     await websocket.send_text(encode(message))
+
+    def _count_ttfa(self, line: PhoneUtterance, now: float) -> None:
+        """Its first frame is on the line: time from its first text, or from when the line was
+        free for it if the utterance before it was still being sent then."""
+        assert line.first_text_at is not None
+        started = max(line.first_text_at, self.line_free_at)
+        self.metrics.ttfa.labels("twilio").observe(now - started)
+        line.ttfa_counted = True
 
     def _playing(self) -> PhoneUtterance | None:
         """The utterance whose audio goes on the line now: the first live one not fully sent (none
@@ -87,6 +97,7 @@ class Playout(CallState):
         if packet.last:
             out.append(self._mark(line, None, packet.end_sample))
             line.all_sent = True
+            self.line_free_at = now
         return out
 
     def _mark(self, line: PhoneUtterance, index: int | None, position: int) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import contextlib
 import json
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -237,3 +238,37 @@ async def test_a_second_media_stream_for_a_call_is_refused_and_the_first_goes_on
             await agent.until("utterance.played", utterance_id="u1")
     # (before the fix, the refused stream's clean-up ended the first one's call: no utterance.played)
     assert sim.log.played_marks()[-1] == "u1/end"
+
+
+def _sample(metrics: str, name: str, labels: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_phone_calls_count_in_the_gateways_metrics(espeak_gateway: RunningGateway) -> None:
+    """Utterances, errors and time to first audio of phone calls are in /metrics under
+    endpoint="twilio". An utterance waiting behind another on the line (here, one held by a pause)
+    counts from when the line was free for it: the figure is the engine's and gateway's latency,
+    not the wait."""
+    async with (
+        agent_for(espeak_gateway, "CA-metrics") as agent,
+        TwilioSimulator(twilio_url(espeak_gateway), call_sid="CA-metrics") as sim,
+    ):
+        await _speak_and_wait_for_audio(agent, sim, LONG, after_s=0.3)
+        await agent.send(type="speak.pause", utterance_id="u1")
+        await agent.until("utterance.paused", utterance_id="u1")
+        await agent.say("u2", SHORT)  # behind u1 on the line while it is paused
+        await agent.send(type="speak.end", utterance_id="nope")
+        await agent.until("error", code="unknown_utterance")
+        await asyncio.sleep(1.5)
+        await agent.send(type="speak.unpause", utterance_id="u1")
+        await agent.until("utterance.played", utterance_id="u2", timeout_s=30)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{espeak_gateway.http}/metrics")).text
+    assert _sample(metrics, "cadence_utterances_total", 'endpoint="twilio"') == 2
+    assert _sample(metrics, "cadence_errors_total", 'code="unknown_utterance"') == 1
+    assert _sample(metrics, "cadence_ttfa_seconds_count", 'endpoint="twilio"') == 2
+    assert _sample(metrics, "cadence_ttfa_seconds_sum", 'endpoint="twilio"') < 1.0  # u2 waited 1.5 s
+    assert _sample(metrics, "cadence_ttfa_seconds_count", 'endpoint="stream"') == 0
