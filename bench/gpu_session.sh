@@ -6,6 +6,7 @@
 #                                   # streamed == offline, the fused kernels against torch
 #   bench/gpu_session.sh codec      # Code2Wav: the fused convolution against cuDNN autotuned, at the
 #                                   # engine's buckets, with the kernels of 64 rows x 4 frames by GPU time
+#   bench/gpu_session.sh tiles      # each fused convolution under other tilings, beside cuDNN autotuned
 #   bench/gpu_session.sh startup    # where the start-up goes: load, each graph's capture and replay
 #   bench/gpu_session.sh sweep      # the 1.7B sweep to twice the capacity (C=1,256,512,capacity,1.5x,2x)
 #   bench/gpu_session.sh aligner    # the sweep without the aligner, then with it (async, sync)
@@ -42,6 +43,10 @@ case "${1:-}" in
     run 300 codec-cudnn $PY bench/gpu_codec_bench.py --batches 8,16,32,64 --frames 1,4,25 --dtypes bf16 --steps 10 \
       --conv cudnn --json "$OUTDIR/codec-cudnn.json"
     ;;
+  tiles)
+    run 560 conv-tiles $PY bench/gpu_conv_tiles.py --buckets 64x4,64x25,8x1 --quick --budget-s 420 \
+      --json "$OUTDIR/conv-tiles.json"
+    ;;
   startup)
     checkpoint
     run 300 startup $PY bench/gpu_startup.py --model "$CKPT" -o "$OUTDIR/startup.json"
@@ -65,6 +70,6 @@ case "${1:-}" in
     TAIL=20 run 590 gpus bash bench/gpus.sh "$CKPT" "$OUTDIR"
     ;;
   *)
-    sed -n '2,14p' "$0"; exit 2
+    sed -n '2,15p' "$0"; exit 2
     ;;
 esac

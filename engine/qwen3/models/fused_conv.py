@@ -19,7 +19,7 @@ then runs cuDNN, autotuned (runner).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -118,12 +118,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def tiling(c_in: int, c_out: int) -> tuple[int, int, int, int]:
-    """BLOCK_M, BLOCK_N, BLOCK_K and warps for a layer: 128-row tiles, output channels 128 at a time
-    (fewer, down to tl.dot's 16, for narrow layers), input channels 64 at a time where they divide."""
+class Tiles(NamedTuple):
+    block_m: int  # output rows per program
+    block_n: int  # output channels per program
+    block_k: int  # input channels per step of the loop
+    warps: int
+    stages: int  # software-pipelining depth of the loop's loads
+
+
+def tiling(c_in: int, c_out: int) -> Tiles:
+    """A layer's tiles: 128-row tiles, output channels 128 at a time (fewer, down to tl.dot's 16,
+    for narrow layers), input channels 64 at a time where they divide."""
     block_n = 128 if c_out >= 128 else max(16, _next_pow2(c_out))
     block_k = 64 if c_in % 64 == 0 else 32 if c_in % 32 == 0 else 16
-    return 128, block_n, block_k, 8 if block_n == 128 else 4
+    return Tiles(128, block_n, block_k, 8 if block_n == 128 else 4, 3)
 
 
 def conv(
@@ -147,12 +155,12 @@ def conv(
     rows = b * t_out
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps = tiling(c_in, c_out)
+    tiles = tiling(c_in, c_out)
     alpha, inv_beta = snake if snake is not None else (x, x)
     if residual is not None:
         residual = residual.contiguous()
         assert residual.shape == out.shape, "residual must match the output"
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(c_out, block_n))
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(c_out, tiles.block_n))
     _conv_kernel[grid](
         x,
         weight,
@@ -168,16 +176,16 @@ def conv(
         c_out,
         taps,
         dilation,
-        triton.cdiv(c_in, block_k),
+        triton.cdiv(c_in, tiles.block_k),
         HAS_BIAS=bias is not None,
         SNAKE=snake is not None,
         RESIDUAL=residual is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=3,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )
     return out
 
