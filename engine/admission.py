@@ -15,6 +15,7 @@ callbacks it is given must not take that lock again.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from bisect import bisect_left
@@ -309,6 +310,13 @@ class Admission(Generic[T]):
         """Seconds until `next_expiry` (0 when it has passed), or None."""
         at = self.next_expiry()
         return None if at is None else max(0.0, at - self.clock())
+
+    def arm_expiry(self, loop: asyncio.AbstractEventLoop | None, expire: Callable[[], None]) -> None:
+        """For an engine on an event loop: `expire` runs once the first queued request's max wait
+        has passed (a timer may fire early: `expire` arms the next one)."""
+        wait = self.until_expiry()
+        if wait is not None and loop is not None:
+            loop.call_later(wait + 0.001, expire)
 
     def next_expiry(self) -> float | None:
         """When the first queued request's max wait passes (clock time), or None."""

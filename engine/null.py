@@ -279,7 +279,7 @@ class NullEngine:
         stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded
         self._streams[stream] = None
         if stream.ticket.queued and request.max_wait_s is not None:
-            self._arm_expiry()
+            self.admission.arm_expiry(self._loop, self._expire)
         return stream
 
     async def register_voice(
@@ -302,13 +302,7 @@ class NullEngine:
             stream.done = True
             self._streams.pop(stream, None)
             stream._channel.fail(self.admission.expired_error(ticket))
-        self._arm_expiry()
-
-    def _arm_expiry(self) -> None:
-        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
-        wait = self.admission.until_expiry()
-        if wait is not None and self._loop is not None:
-            self._loop.call_later(wait + 0.001, self._expire)
+        self.admission.arm_expiry(self._loop, self._expire)
 
     # -- the clocks ----------------------------------------------------------------------------
     def _wake(self, stream: NullStream) -> None:

@@ -754,13 +754,7 @@ class WorkerPoolEngine:
         for ticket in self.admission.expire():
             ticket.item.channel.fail(self.admission.expired_error(ticket))
             self._forget(ticket.item.rid)
-        self._arm_expiry()
-
-    def _arm_expiry(self) -> None:
-        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
-        wait = self.admission.until_expiry()
-        if wait is not None and self._loop is not None:
-            self._loop.call_later(wait + 0.001, self._expire)
+        self.admission.arm_expiry(self._loop, self._expire)
 
     def open(self, request: SynthesisRequest) -> WorkerStream:
         voice = request.voice
@@ -773,7 +767,7 @@ class WorkerPoolEngine:
         self._streams[stream.rid] = stream
         if stream.ticket.admitted_at is None:
             if request.max_wait_s is not None:
-                self._arm_expiry()
+                self.admission.arm_expiry(self._loop, self._expire)
             return stream
         self._dispatch(stream)
         if stream.worker is None:  # no worker took it: refused as the engine is

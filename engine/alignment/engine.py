@@ -305,7 +305,7 @@ class AlignedEngine:
                     self._promote()
                 raise
         elif request.max_wait_s is not None:
-            self._arm_expiry()
+            self.admission.arm_expiry(self._loop, self._expire)
         self._streams.add(stream)
         self._count()
         return stream
@@ -361,13 +361,7 @@ class AlignedEngine:
     def _expire(self) -> None:
         for ticket in self.admission.expire():
             ticket.item.fail(self.admission.expired_error(ticket))
-        self._arm_expiry()
-
-    def _arm_expiry(self) -> None:
-        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
-        wait = self.admission.until_expiry()
-        if wait is not None and self._loop is not None:
-            self._loop.call_later(wait + 0.001, self._expire)
+        self.admission.arm_expiry(self._loop, self._expire)
 
     def release(self, stream: AlignedStream) -> None:
         """A stream ended (or was refused, or cancelled): its place goes to the next one queued."""

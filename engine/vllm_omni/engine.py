@@ -643,10 +643,8 @@ class VllmOmniEngine:
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:
-        """A timer for the next queued stream's max wait (a timer may fire early: it re-arms)."""
-        wait = self.admission.until_expiry()
-        if wait is not None and self._running:
-            asyncio.get_running_loop().call_later(wait + 0.001, self._expire)
+        if self._running:
+            self.admission.arm_expiry(asyncio.get_running_loop(), self._expire)
 
 
 def _voice_names(data: Any) -> tuple[str, ...]:
