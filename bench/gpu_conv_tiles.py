@@ -56,6 +56,14 @@ class Call:
         flags = (self.bias is not None, self.snake is not None, self.residual is not None)
         return (tuple(self.x.shape), tuple(self.weight.shape), self.taps, self.dilation, flags)
 
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0] * (self.x.shape[1] - (self.taps - 1) * self.dilation)
+
+    @property
+    def chosen(self) -> Tiles:
+        return fused_conv.tiling(self.rows, self.x.shape[-1], self.weight.shape[1], self.taps)
+
     def launch(self) -> Tensor:
         return fused_conv.conv(
             self.x, self.weight, self.taps, self.dilation, self.bias, self.snake, self.residual
@@ -104,12 +112,13 @@ def record(model: Any, rows: int, frames: int) -> list[Call]:
     return list(calls.values())
 
 
-def candidates(c_in: int, c_out: int, quick: bool) -> list[Tiles]:
+def candidates(call: Call, quick: bool) -> list[Tiles]:
+    c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     widest = max(16, fused_conv._next_pow2(c_out))
     block_ns = [n for n in (32, 64, 128) if n <= max(32, widest)]
     block_ks = [k for k in (32, 64) if k <= max(32, fused_conv._next_pow2(c_in))]
     stages = (3,) if quick else (2, 3, 4)
-    out = {fused_conv.tiling(c_in, c_out)}
+    out = {call.chosen}
     for m, n, k, w, s in itertools.product((64, 128), block_ns, block_ks, (4, 8), stages):
         out.add(Tiles(m, n, k, w, s))
     return sorted(out)
@@ -136,11 +145,10 @@ def graph_ms(fn: Callable[[], Any], replays: int) -> float:
 
 
 def time_tilings(call: Call, quick: bool, replays: int) -> None:
-    c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     chosen = fused_conv.tiling
     expected = call.launch().float()
-    for tiles in candidates(c_in, c_out, quick):
-        fused_conv.tiling = lambda _ci, _co, t=tiles: t  # type: ignore[assignment]
+    for tiles in candidates(call, quick):
+        fused_conv.tiling = lambda *_shape, t=tiles: t  # type: ignore[assignment]
         try:
             got = call.launch().float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
@@ -172,7 +180,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
         f"{'chosen':>8} {'best':>8} {'cuDNN':>8}  best tiles (m, n, k, warps, stages)"
     )
     for call in sorted(calls, key=lambda c: -c.count * min(c.times.values(), default=0.0)):
-        chosen = fused_conv.tiling(call.x.shape[-1], call.weight.shape[1])
+        chosen = call.chosen
         if chosen not in call.times:
             continue
         best = min(call.times, key=call.times.__getitem__)
@@ -186,7 +194,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
             )
             if on
         )
-        rows = call.x.shape[0] * (call.x.shape[1] - (call.taps - 1) * call.dilation)
+        rows = call.rows
         cudnn = f"{call.cudnn_ms:8.4f}" if call.cudnn_ms is not None else f"{'-':>8}"
         print(
             f"{rows:7d} {call.x.shape[-1]:5d} {call.weight.shape[1]:5d} {call.taps:4d} {call.dilation:3d} "
@@ -212,6 +220,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
                 "best": list(best),
                 "best_ms": call.times[best],
                 "cudnn_ms": call.cudnn_ms,
+                "every_ms": {"x".join(map(str, t)): round(ms, 5) for t, ms in sorted(call.times.items())},
             }
         )
     print(

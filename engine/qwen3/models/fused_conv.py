@@ -3,9 +3,9 @@
 
 cuDNN picks fast kernels for these channels-last, height-1 convolutions only when it autotunes each
 input shape, and every graph bucket is a new shape: tuning them all makes start-up minutes long,
-while its untuned picks are many times slower at the large buckets. This kernel's tiling depends on
-the layer's channel counts alone, so it needs no tuning, and its epilogue saves a pass over the
-activations per fused op.
+while its untuned picks are many times slower at the large buckets. This kernel's tiles follow the
+layer's shape from a table measured once (`tiling`), so start-up tunes nothing, and its epilogue
+saves a pass over the activations per fused op.
 
 The convolution is causal over x [B, T_in, C_in] (channels last, contiguous; the caller puts the
 left context in front): output row t of batch b is sum_j x[b, t + j * dilation] @ W_j, t < T_out =
@@ -126,12 +126,42 @@ class Tiles(NamedTuple):
     stages: int  # software-pipelining depth of the loop's loads
 
 
-def tiling(c_in: int, c_out: int) -> Tiles:
-    """A layer's tiles: 128-row tiles, output channels 128 at a time (fewer, down to tl.dot's 16,
-    for narrow layers), input channels 64 at a time where they divide."""
+# Code2Wav's layers at the real checkpoint's shapes, (C_in, C_out, taps) -> the tiles that time
+# fastest for them at the engine's steady buckets of 32-64 rows x 4 frames on an H200
+# (bench/gpu_conv_tiles.py): the narrow layers take output tiles that divide their channels, the
+# wide ones fewer rows per program
+_MEASURED = {
+    (96, 96, 7): Tiles(128, 32, 32, 4, 3),
+    (192, 192, 7): Tiles(128, 64, 64, 8, 3),
+    (384, 384, 7): Tiles(64, 128, 64, 4, 3),
+    (768, 768, 7): Tiles(64, 128, 64, 4, 3),
+    (96, 96, 1): Tiles(128, 128, 32, 4, 3),
+    (192, 192, 1): Tiles(64, 128, 64, 4, 3),
+    (384, 384, 1): Tiles(64, 128, 64, 4, 3),
+    (768, 768, 1): Tiles(64, 128, 64, 4, 3),
+    (768, 1920, 2): Tiles(128, 128, 64, 4, 3),
+}
+# a layer whose grid has fewer programs than this leaves most of the GPU's SMs idle: it takes the
+# small tiles instead, which spread it over more of them
+_FEW_PROGRAMS = 64
+
+
+def _block_k(c_in: int) -> int:
+    return 64 if c_in % 64 == 0 else 32 if c_in % 32 == 0 else 16
+
+
+def tiling(rows: int, c_in: int, c_out: int, taps: int) -> Tiles:
+    """A layer's tiles for `rows` output rows: the measured ones for Code2Wav's shapes, otherwise
+    128-row tiles with output channels 128 at a time (fewer, down to tl.dot's 16, for narrow layers);
+    small tiles when either would give too few programs."""
     block_n = 128 if c_out >= 128 else max(16, _next_pow2(c_out))
-    block_k = 64 if c_in % 64 == 0 else 32 if c_in % 32 == 0 else 16
-    return Tiles(128, block_n, block_k, 8 if block_n == 128 else 4, 3)
+    tiles = _MEASURED.get(
+        (c_in, c_out, taps), Tiles(128, block_n, _block_k(c_in), 8 if block_n == 128 else 4, 3)
+    )
+    programs = -(-rows // tiles.block_m) * -(-c_out // tiles.block_n)
+    if programs < _FEW_PROGRAMS and c_out > 32:
+        return Tiles(64, 32, _block_k(c_in), 4, 3)
+    return tiles
 
 
 def conv(
@@ -155,7 +185,7 @@ def conv(
     rows = b * t_out
     if rows == 0:
         return out
-    tiles = tiling(c_in, c_out)
+    tiles = tiling(rows, c_in, c_out, taps)
     alpha, inv_beta = snake if snake is not None else (x, x)
     if residual is not None:
         residual = residual.contiguous()
