@@ -106,7 +106,10 @@ def run_record(argv: list[str] | None) -> dict[str, Any]:
         "python": platform.python_version(),
         # other work on the machine skews every figure here: the 1-minute load average at the start
         "load_average_1m": round(os.getloadavg()[0], 2),
-        "command": shlex.join(["python", "-m", f"bench.{module}", *args]),
+        # output paths by their file name: the record names no machine's folders
+        "command": shlex.join(
+            ["python", "-m", f"bench.{module}", *(Path(a).name if a.startswith("/") else a for a in args)]
+        ),
     }
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import run_record, write_json  # noqa: E402
 from bench.gpu_codec_bench import build, random_codes  # noqa: E402
 from engine.qwen3.models import fused_conv  # noqa: E402
 from engine.qwen3.models.fused_conv import Tiles  # noqa: E402
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             time_cudnn(call, args.replays)
         results.append(report(f"{rows}x{frames}", calls))
     if args.json is not None:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "buckets": results}, indent=1) + "\n")
+        write_json(args.json, {**run_record(argv), "buckets": results})
         print(f"wrote {args.json}")
     return 0
 
