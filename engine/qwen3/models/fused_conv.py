@@ -153,7 +153,8 @@ def _block_k(c_in: int) -> int:
 def tiling(rows: int, c_in: int, c_out: int, taps: int) -> Tiles:
     """A layer's tiles for `rows` output rows: the measured ones for Code2Wav's shapes, otherwise
     128-row tiles with output channels 128 at a time (fewer, down to tl.dot's 16, for narrow layers);
-    small tiles when either would give too few programs."""
+    small tiles when either would give too few programs (a layer of 32 outputs or fewer keeps its
+    own, which are no wider)."""
     block_n = 128 if c_out >= 128 else max(16, _next_pow2(c_out))
     tiles = _MEASURED.get(
         (c_in, c_out, taps), Tiles(128, block_n, _block_k(c_in), 8 if block_n == 128 else 4, 3)

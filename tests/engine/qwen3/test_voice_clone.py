@@ -134,14 +134,16 @@ async def test_a_clones_reference_runs_through_code2wav_once_and_later_requests_
     np.testing.assert_allclose(again, first, atol=1e-5)
 
 
-async def test_clones_opened_together_share_one_priming_run(engine: Qwen3Engine) -> None:
+async def test_clones_opened_together_share_one_priming_run(
+    engine: Qwen3Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await engine.register_voice("pair", clip(2.0), 16000, "Yet another reference sentence.")
     voice = engine._voices["pair"]
     voice.ref_codes = torch.randint(0, 2048, (6, 16), generator=torch.Generator().manual_seed(6))
     alone = await speak(engine, "p0", 4, voice="pair")
     engine.runner.codec_states._entries.clear()  # cold again: both requests below miss
     # both start in the next step whatever this machine's measured step time allows
-    engine.scheduler.capacity.ttfa_target_s = 1e9
+    monkeypatch.setattr(engine.scheduler.capacity, "ttfa_target_s", 1e9)
     streams = []
     for rid in ("p1", "p2"):
         stream = engine.open(
