@@ -8,6 +8,7 @@
 #                                   # engine's buckets, with the kernels of 64 rows x 4 frames by GPU time
 #   bench/gpu_session.sh tiles      # each fused convolution under other tilings, beside cuDNN autotuned
 #   bench/gpu_session.sh startup    # where the start-up goes: load, each graph's capture and replay
+#   bench/gpu_session.sh replace    # a killed engine worker: how soon its replacement serves
 #   bench/gpu_session.sh sweep      # the 1.7B sweep to twice the capacity (C=1,256,512,capacity,1.5x,2x)
 #   bench/gpu_session.sh aligner    # the sweep without the aligner, then with it (async, sync)
 #   bench/gpu_session.sh small      # the 0.6B sweep
@@ -51,6 +52,11 @@ case "${1:-}" in
     checkpoint
     run 300 startup $PY bench/gpu_startup.py --model "$CKPT" -o "$OUTDIR/startup.json"
     ;;
+  replace)
+    checkpoint
+    run 400 worker-replacement $PY -m bench.worker_replacement -o "$OUTDIR/worker-replacement.json" \
+      --bench-args "--voice ryan --language English --model-shapes 1.7B" -- --engine qwen3 --model "$CKPT"
+    ;;
   sweep)  # a point near the capacity (512) comes before the relative levels
     checkpoint; reference 1.7b
     CONC="${CONC:-1,256,512,capacity,1.5x,2x}" POINT_SECONDS="${POINT_SECONDS:-10}" run 590 e2e bash bench/gpu_bench_e2e.sh
@@ -70,6 +76,6 @@ case "${1:-}" in
     TAIL=20 run 590 gpus bash bench/gpus.sh "$CKPT" "$OUTDIR"
     ;;
   *)
-    sed -n '2,15p' "$0"; exit 2
+    sed -n '2,16p' "$0"; exit 2
     ;;
 esac

@@ -313,8 +313,11 @@ function tick() {
     // forward only: the clock between reports is an estimate, and a pause sets it back to the
     // worklet's exact position, which a highlight already past it must not flicker back to
     if (index > cur.highlighted) {
+      // a late tick passes several words at once: each was heard, so each is logged
+      for (let passed = Math.max(0, cur.highlighted + 1); passed <= index; passed++) {
+        cur.highlightLog.push({ index: passed, ms: Math.round(ms) });
+      }
       cur.highlighted = index;
-      if (index >= 0) cur.highlightLog.push({ index, ms: Math.round(ms) });
       renderWords();
     }
     $("played").textContent = `${Math.round(ms)} ms`;
