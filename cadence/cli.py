@@ -49,6 +49,19 @@ def _streams(text: str) -> int | None:
     return count
 
 
+def _share(text: str) -> float:
+    """`--kv-memory F`: a share of the GPU's memory, above 0 and below 1."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0 < share < 1:
+        raise argparse.ArgumentTypeError(
+            "--kv-memory must be a share of the GPU's memory, above 0 and below 1"
+        )
+    return share
+
+
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cadence serve",
@@ -134,6 +147,16 @@ def _serve_parser() -> argparse.ArgumentParser:
         type=_streams,
         default=_streams(_env("max_streams", "auto") or "auto"),
         shown="auto",
+    )
+    _option(
+        p,
+        "--kv-memory",
+        "qwen3 on a GPU: the share of its memory for talker KV slots, one per stream (--max-streams auto "
+        "takes as many as it holds)",
+        env="CADENCE_KV_MEMORY",
+        type=_share,
+        default=_share(_env("kv_memory", "0.25") or "0.25"),
+        shown="0.25",
     )
     _option(
         p,
@@ -271,6 +294,7 @@ def serve_main(argv: list[str]) -> int:
         eager=args.eager,
         fused_layers=args.fused_layers,
         max_streams=args.max_streams,
+        kv_memory=args.kv_memory,
         scheduler=tuple(args.scheduler),
         gpus=args.gpus,
         upstream=args.upstream,

@@ -24,6 +24,7 @@ class EngineOptions:
     # in real time. None ("auto"): qwen3, the talker slots the KV budget holds; espeak, what its
     # worker keeps in real time alone, measured at start; null, no bound
     max_streams: int | None = None
+    kv_memory: float = 0.25  # qwen3 on a GPU: the share of its memory given to talker KV slots
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)
@@ -145,8 +146,10 @@ def build_qwen3(options: EngineOptions) -> Engine:
         if reason:
             raise SystemExit(f"--dtype fp8: {reason}")
         dtype_name = "bfloat16"  # everything else stays bf16; the chosen linears are quantised after loading
-    if device.startswith("cuda"):  # talker KV: a quarter of the card (about 56 MiB per 1.7B stream)
-        kv_budget = int(0.25 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    if device.startswith("cuda"):  # talker KV: about 56 MiB per 1.7B stream
+        kv_budget = int(
+            options.kv_memory * torch.cuda.get_device_properties(torch.device(device)).total_memory
+        )
     else:
         kv_budget = 2 << 30
     # the batch, its Code2Wav rows and the step's token budget follow the talker slots the KV budget

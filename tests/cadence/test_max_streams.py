@@ -1,4 +1,5 @@
-"""`--max-streams`: `auto` by default, a number as an upper bound, and passed to every engine."""
+"""`--max-streams`: `auto` by default, a number as an upper bound, and passed to every engine; `--kv-memory`,
+the GPU memory whose talker slots `auto` takes."""
 
 from __future__ import annotations
 
@@ -36,3 +37,14 @@ async def test_auto_is_what_the_espeak_worker_keeps_in_real_time_alone() -> None
         assert 1 <= figures.capacity <= figures.max_streams
     finally:
         await engine.stop()
+
+
+def test_kv_memory_is_a_share_of_the_gpu_below_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CADENCE_KV_MEMORY", raising=False)
+    assert _serve_parser().parse_args([]).kv_memory == 0.25
+    assert _serve_parser().parse_args(["--kv-memory", "0.5"]).kv_memory == 0.5
+    monkeypatch.setenv("CADENCE_KV_MEMORY", "0.4")
+    assert _serve_parser().parse_args([]).kv_memory == 0.4
+    for bad in ("0", "1", "-0.2", "half"):
+        with pytest.raises(SystemExit):
+            _serve_parser().parse_args(["--kv-memory", bad])
