@@ -418,10 +418,12 @@ class Session:
         at = time.perf_counter()
         stream = int.from_bytes(frame[2:4], "little")
         uid = self._streams.get(stream)
-        if uid is None:
-            self.stray_packets += 1  # of an utterance nobody listens to (never after a fence)
+        utterance = None if uid is None else self._utterances.get(uid)
+        if uid is None or utterance is None:
+            # of an utterance nobody listens to (never after a fence), or whose listener has gone
+            self.stray_packets += 1
             return
-        self._utterances[uid].queue.put_nowait(decode_packet(frame, uid, self.bytes_per_sample, at))
+        utterance.queue.put_nowait(decode_packet(frame, uid, self.bytes_per_sample, at))
 
     def _on_message(self, raw: dict[str, Any]) -> None:
         kind = raw.get("type")

@@ -43,6 +43,7 @@ from typing import Any
 from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Queued, Session, Words, connect
 from clients.loadtest_report import (
     PRICE_PER_HOUR_USD,
+    UNFINISHED,
     RequestRecord,
     goodput_of_peak,
     headline,
@@ -55,6 +56,7 @@ DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
 DEFAULT_RETRY_AFTER_S = 1.0  # an overloaded answer that names no wait
 STREAMS_PER_PROCESS = 128
+DRAIN_S = 60.0  # past the longest window, what a request under way when it ends may take to finish
 GPU_MEMORY_METRIC = "cadence_gpu_memory_peak_bytes"
 ENGINE_FIGURE_METRIC = "cadence_engine_figure"
 CPU_METRIC = "process_cpu_seconds_total"
@@ -78,6 +80,7 @@ class WorkerJob:
     forced: bool
     buffer_ms: float
     warmup_s: float
+    drain_s: float  # after the window, how long the requests under way may take to finish
 
 
 @dataclass(slots=True)
@@ -124,12 +127,23 @@ async def _run_streams(job: WorkerJob, shared: Shared) -> list[RequestRecord]:
             shared.ready.value += 1
         await asyncio.to_thread(shared.go.wait)
         measure_from = shared.start_at.value + job.warmup_s
-        await asyncio.gather(
-            *(
-                _stream_loop(session, stream, job, shared, measure_from, records)
-                for session, stream in zip(sessions, job.streams, strict=True)
+        in_flight: dict[int, float] = {}  # stream -> when its request's speak.end went
+        chars: dict[int, int] = {}
+        tasks = [
+            asyncio.create_task(
+                _stream_loop(session, stream, job, shared, measure_from, records, in_flight, chars)
             )
-        )
+            for session, stream in zip(sessions, job.streams, strict=True)
+        ]
+        await asyncio.to_thread(shared.stop.wait)
+        # the requests under way finish, but within the drain: one that never ends must not take
+        # this process's records with it; it is recorded as unfinished
+        _, pending = await asyncio.wait(tasks, timeout=job.drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream, sent_at in in_flight.items():
+            records.append(RequestRecord(stream, chars[stream], 0.0, sent_at, None, None, 0, UNFINISHED))
     return records
 
 
@@ -140,6 +154,8 @@ async def _stream_loop(
     shared: Shared,
     measure_from: float,
     out: list[RequestRecord],
+    in_flight: dict[int, float],
+    chars: dict[int, int],
 ) -> None:
     prompt: Prompt | None = None
     while not shared.stop.is_set():
@@ -148,7 +164,9 @@ async def _stream_loop(
                 index = shared.next_prompt.value
                 shared.next_prompt.value += 1
             prompt = job.prompts[index % len(job.prompts)]
+        in_flight[stream], chars[stream] = time.perf_counter(), len(prompt.text)
         record = await one_request(session, stream, prompt, job)
+        del in_flight[stream]
         out.append(record)
         if record.ok and record.ended_at >= measure_from:
             with shared.measured.get_lock():
@@ -250,6 +268,7 @@ def run_point(
             not args.no_forced,
             args.buffer_ms,
             args.warmup_seconds,
+            args.max_seconds + DRAIN_S,
         )
         for p in range(processes)
     ]
@@ -292,7 +311,7 @@ def run_point(
     progress.update(task, description=f"C={concurrency}: draining")
     records: list[RequestRecord] = []
     received = 0
-    give_up = time.perf_counter() + args.max_seconds + 120
+    give_up = time.perf_counter() + args.max_seconds + DRAIN_S + 60
     while received < len(workers) and time.perf_counter() < give_up:
         try:
             records.extend(shared.results.get(timeout=1.0))
@@ -302,9 +321,14 @@ def run_point(
                 break  # a worker died without reporting: use what the others sent
     for worker in workers:
         worker.join(timeout=10)
+    if received < len(workers):
+        print(
+            f"C={concurrency}: {len(workers) - received} of {len(workers)} load-test workers sent no records"
+        )
     progress.update(task, completed=shared.measured.value, description=f"C={concurrency}: done")
     gpu = gpu_memory_gb(url)
     point = summarize(concurrency, records, (window_start, window_end), args.price_per_hour, gpu)
+    point["workers_unreported"] = len(workers) - received
     point.update(engine_capacity(load_url(args.url)))
     point.update(cpu)
     point.update(gc_figures(gc_at_start, gc_counts(text)))

@@ -16,6 +16,9 @@ HEADLINE_UNDERRUN_PCT = 1.0
 EARLY_UNDERRUN_S = 1.0  # a first underrun up to this audio position counts as start-of-stream
 
 
+UNFINISHED = "unfinished"  # the error of a request still under way when the point's drain ended
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One request of the closed loop, as the load-test client measured it."""
@@ -129,6 +132,7 @@ def summarize(
         "admitted": len(good) - len(queued),  # admitted at once
         "queued": len(queued),  # admitted after a wait in the queue
         "refused": len(refused),
+        "unfinished": sum(1 for r in measured if r.error == UNFINISHED),  # of the errors
         "queue_wait_p50_ms": _round(percentile(waits_ms, 50)),
         "queue_wait_p90_ms": _round(percentile(waits_ms, 90)),
         # the excess: from speak.end to its utterance.queued or its refusal
