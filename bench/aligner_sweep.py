@@ -41,7 +41,13 @@ FIGURES = (
     "words_before_audio_pct",
 )
 # the aligner stage's counters, as the server reports them (totals since it started)
-ENGINE_FIGURES = ("aligner_jobs", "aligner_probes", "aligner_failures", "aligner_largest_batch")
+ENGINE_FIGURES = (
+    "aligner_jobs",
+    "aligner_probes",
+    "aligner_probe_words",
+    "aligner_failures",
+    "aligner_largest_batch",
+)
 
 
 def _minus(a: float | None, b: float | None) -> float | None:

@@ -197,7 +197,10 @@ class AlignedStream(SynthesisStream):
     def _on_aligned(self, job: AlignJob, words: tuple[WordTiming, ...]) -> None:
         if self._cancelled:
             return
-        self._emit(self._tracker.on_aligned(job, words))
+        out = self._tracker.on_aligned(job, words)
+        if job.probe:
+            self._engine.probe_words += sum(len(chunk.words) for chunk in out)
+        self._emit(out)
 
     def _emit(self, chunks: list[AudioChunk]) -> None:
         for chunk in chunks:
@@ -255,6 +258,9 @@ class AlignedEngine:
         self._promoting = False
         self._stopping = False
         self._sync_delays: deque[float] = deque(maxlen=1000)
+        # words that sync probes sent ahead of their segment's end: none when the aligner's times
+        # move as its window grows (random weights do), and sync audio then waits for whole segments
+        self.probe_words = 0
 
     @property
     def info(self) -> EngineInfo:
@@ -412,6 +418,7 @@ class AlignedEngine:
                 {
                     "aligner_jobs": float(stats.jobs),
                     "aligner_probes": float(stats.probes),
+                    "aligner_probe_words": float(self.probe_words),
                     "aligner_batches": float(stats.batches),
                     "aligner_failures": float(stats.failures),
                     "aligner_queued": float(self._worker.queued),
