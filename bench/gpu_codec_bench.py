@@ -93,11 +93,11 @@ def print_kernels(fn: Any, label: str, replays: int = 5) -> None:
     kernels = sum(e.count for e in events) / replays
     total = sum(e.self_device_time_total for e in events) / replays / 1000
     print(f"profile {label}: {kernels:.0f} kernels per replay, {total:.2f} ms of kernel time")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=90))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
 
 
 @torch.no_grad()
-def print_kernel_ops(model: Code2Wav, b: int, f: int, top: int = 25) -> None:
+def print_kernel_ops(model: Code2Wav, b: int, f: int, top: int = 40) -> None:
     """Which operators (and input shapes) launch the kernels that take the most time, eagerly."""
     from collections import Counter
 

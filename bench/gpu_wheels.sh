@@ -5,7 +5,7 @@
 #   bench/gpu_wheels.sh            # then carry .whl/ to the GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
-names="starlette anyio sniffio uvicorn h11 httptools uvloop websockets soxr soundfile cffi pycparser
+names="starlette anyio uvicorn h11 httptools uvloop websockets soxr soundfile cffi pycparser
 espeakng-loader prometheus-client redis httpx httpcore idna certifi rich markdown-it-py mdurl pygments av"
 freeze="$(.venv/bin/python -m pip freeze --disable-pip-version-check 2>/dev/null)"
 mkdir -p .whl

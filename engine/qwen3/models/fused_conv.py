@@ -1,5 +1,6 @@
 """Code2Wav's convolutions as one Triton implicit-GEMM kernel on CUDA, with the ops after each conv
-(its bias, a SnakeBeta, the residual add) done in the kernel's epilogue.
+(its bias, a SnakeBeta, the residual add, and the next layer's SnakeBeta as a second output) done
+in the kernel's epilogue.
 
 cuDNN picks fast kernels for these channels-last, height-1 convolutions only when it autotunes each
 input shape, and every graph bucket is a new shape: tuning them all makes start-up minutes long,
@@ -7,9 +8,11 @@ while its untuned picks are many times slower at the large buckets. This kernel'
 layer's shape from a table measured once (`tiling`), so start-up tunes nothing, and its epilogue
 saves a pass over the activations per fused op.
 
-The convolution is causal over x [B, T_in, C_in] (channels last, contiguous; the caller puts the
-left context in front): output row t of batch b is sum_j x[b, t + j * dilation] @ W_j, t < T_out =
-T_in - (taps - 1) * dilation, accumulated in fp32. A transposed convolution whose kernel is a whole
+The convolution is causal over x [B, T, C_in] (channels last, contiguous) behind `context` rows of
+left context: a stream slot's history read from its pool (`past`, [slots, context, C_in]) or, offline,
+silence. Over the joined input u = [context | x], output row t of batch b is sum_j u[b, t + j *
+dilation] @ W_j, t < T_out = context + T - (taps - 1) * dilation, accumulated in fp32. Reading the
+context in place spares a copy of every layer's input; the caller refreshes the pool afterwards. A transposed convolution whose kernel is a whole
 number m of strides r is the same kernel over m taps with r * C_out output channels: output column
 p * C_out + n of input s is sample s * r + p of channel n (`pack_transposed`).
 
@@ -37,26 +40,35 @@ except ImportError:  # CPU-only installs
 if triton is not None:
     # rows, lengths, taps and dilation change with every bucket and layer: not specialised on, so
     # each layer shape compiles once whatever the batch
-    @triton.jit(do_not_specialize=["rows", "t_out", "t_in", "taps", "dilation"])
+    @triton.jit(do_not_specialize=["rows", "t_out", "t_x", "taps", "dilation", "context"])
     def _conv_kernel(
         x_ptr,
+        past_ptr,
+        slots_ptr,
         w_ptr,
         bias_ptr,
         alpha_ptr,
         inv_beta_ptr,
         res_ptr,
         out_ptr,
+        alpha2_ptr,
+        inv_beta2_ptr,
+        out2_ptr,
         rows,
         t_out,
-        t_in,
+        t_x,
         c_in,
         c_out,
         taps,
         dilation,
+        context,
         chunks,
+        HAS_PAST: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         SNAKE: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        STORE_MAIN: tl.constexpr,
+        SNAKE_OUT: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -67,8 +79,13 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < rows
         n_ok = rn < c_out
-        # the input row of an output row's first tap: its batch's rows start t_in apart
-        first = ((rm // t_out) * t_in + rm % t_out).to(tl.int64)
+        batch = rm // t_out
+        t = rm % t_out  # the output row's first tap reads joined row t
+        x_first = (
+            batch.to(tl.int64) * t_x + t - context
+        )  # that row's place in x (< the batch's start: context)
+        if HAS_PAST:
+            past_first = tl.load(slots_ptr + batch, mask=m_ok, other=0).to(tl.int64) * context + t
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # one loop over every (tap, channel chunk): a layer of few channels still has enough
         # iterations for the loads to be pipelined
@@ -76,11 +93,18 @@ if triton is not None:
             j = i // chunks
             ck = (i - j * chunks) * BLOCK_K + rk
             k_ok = ck < c_in
+            in_x = t + j * dilation >= context
             a = tl.load(
-                x_ptr + (first + j * dilation)[:, None] * c_in + ck[None, :],
-                mask=m_ok[:, None] & k_ok[None, :],
+                x_ptr + (x_first + j * dilation)[:, None] * c_in + ck[None, :],
+                mask=(m_ok & in_x)[:, None] & k_ok[None, :],
                 other=0.0,
             )
+            if HAS_PAST:  # the rows before x come from the slot's history (offline: silence)
+                a += tl.load(
+                    past_ptr + (past_first + j * dilation)[:, None] * c_in + ck[None, :],
+                    mask=(m_ok & ~in_x)[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
             w = tl.load(
                 w_ptr + (j * c_in + ck[:, None]).to(tl.int64) * c_out + rn[None, :],
                 mask=k_ok[:, None] & n_ok[None, :],
@@ -98,7 +122,17 @@ if triton is not None:
         mask = m_ok[:, None] & n_ok[None, :]
         if RESIDUAL:
             acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        main = acc.to(out_ptr.dtype.element_ty)
+        if STORE_MAIN:
+            tl.store(out_ptr + offs, main, mask=mask)
+        if SNAKE_OUT:  # the next layer's activation, of the output as stored (as a pass over it would)
+            y = main.to(tl.float32)
+            alpha2 = tl.load(alpha2_ptr + rn, mask=n_ok, other=0.0)
+            inv_beta2 = tl.load(inv_beta2_ptr + rn, mask=n_ok, other=0.0)
+            s2 = tl.sin(y * alpha2[None, :])
+            tl.store(
+                out2_ptr + offs, (y + inv_beta2[None, :] * s2 * s2).to(out2_ptr.dtype.element_ty), mask=mask
+            )
 
 
 MAX_ROWS = 2**31 - 1  # 32-bit row indices in the kernel
@@ -173,44 +207,67 @@ def conv(
     bias: Tensor | None = None,
     snake: tuple[Tensor, Tensor] | None = None,
     residual: Tensor | None = None,
-) -> Tensor:
-    """x [B, T_in, C_in] -> [B, T_out, C_out]; weight [taps * C_in, C_out] (`pack`); bias [C_out];
+    context: int = 0,
+    past: tuple[Tensor, Tensor] | None = None,
+    snake_out: tuple[Tensor, Tensor] | None = None,
+    keep_main: bool = True,
+) -> Any:
+    """x [B, T, C_in] -> [B, T_out, C_out]; weight [taps * C_in, C_out] (`pack`); bias [C_out];
     snake: (alpha, 1 / beta) [C_out] in fp32, applied after the bias; residual [B, T_out, C_out],
-    added last."""
+    added next. context: rows of left context before x, from past = (pool [slots, context, C_in],
+    slots [B]) or silence without it. snake_out: a second SnakeBeta's parameters, applied to the
+    output: the result is then (output, its activation), or the activation alone without keep_main."""
     x = x.contiguous()
-    b, t_in, c_in = x.shape
+    b, t_x, c_in = x.shape
     c_out = weight.shape[1]
     assert weight.shape[0] == taps * c_in, "weight not packed for these taps and channels"
-    t_out = t_in - (taps - 1) * dilation
-    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype)
+    assert keep_main or snake_out is not None, "nothing to store"
+    t_out = context + t_x - (taps - 1) * dilation
+    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if keep_main else None
+    out2 = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if snake_out is not None else None
+    result = out2 if out is None else out if out2 is None else (out, out2)
     rows = b * t_out
     if rows == 0:
-        return out
+        return result
+    if past is not None:
+        pool, slots = past
+        assert pool.shape[1:] == (context, c_in) and pool.is_contiguous(), "history pool mismatch"
+        assert slots.shape == (b,), "one slot per batch row"
     tiles = tiling(rows, c_in, c_out, taps)
     alpha, inv_beta = snake if snake is not None else (x, x)
+    alpha2, inv_beta2 = snake_out if snake_out is not None else (x, x)
     if residual is not None:
         residual = residual.contiguous()
-        assert residual.shape == out.shape, "residual must match the output"
+        assert residual.shape == (b, t_out, c_out), "residual must match the output"
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(c_out, tiles.block_n))
     _conv_kernel[grid](
         x,
+        past[0] if past is not None else x,
+        past[1] if past is not None else x,
         weight,
         bias if bias is not None else x,
         alpha,
         inv_beta,
         residual if residual is not None else x,
-        out,
+        out if out is not None else out2,
+        alpha2,
+        inv_beta2,
+        out2 if out2 is not None else out,
         rows,
         t_out,
-        t_in,
+        t_x,
         c_in,
         c_out,
         taps,
         dilation,
+        context,
         triton.cdiv(c_in, tiles.block_k),
+        HAS_PAST=past is not None and context > 0,
         HAS_BIAS=bias is not None,
         SNAKE=snake is not None,
         RESIDUAL=residual is not None,
+        STORE_MAIN=keep_main,
+        SNAKE_OUT=snake_out is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -218,7 +275,7 @@ def conv(
         num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
-    return out
+    return result
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -282,6 +339,23 @@ def _compare(device: torch.device) -> None:
         got = conv(xd, pack(wd), taps, dilation, bd).float().cpu()
         if not torch.allclose(got, expected, rtol=3e-2, atol=3e-2):
             raise ValueError(f"differs from torch's conv1d by {(got - expected).abs().max().item():.3g}")
+    # the context read in place from a history pool, the next activation as a second output
+    pool, x = torch.randn(3, 12, 32, generator=gen), torch.randn(2, 5, 32, generator=gen)
+    w, slots = torch.randn(16, 32, 7, generator=gen) / 15, torch.tensor([2, 0])
+    joined = torch.cat([pool[slots], x], dim=1).transpose(1, 2)
+    expected = F.conv1d(joined, w, dilation=2).transpose(1, 2)
+    ones = torch.ones(16, device=device)
+    pd, xd, wd, sd = (t.to(device) for t in (pool, x, w, slots))
+    wd = pack(wd.to(torch.bfloat16))
+    got, activated = conv(
+        xd.to(torch.bfloat16), wd, 7, 2, context=12, past=(pd.to(torch.bfloat16), sd), snake_out=(ones, ones)
+    )
+    expected_act = expected + torch.sin(expected) ** 2
+    for name, value, ref in (("in-place context", got, expected), ("second output", activated, expected_act)):
+        if not torch.allclose(value.float().cpu(), ref, rtol=3e-2, atol=3e-2):
+            raise ValueError(
+                f"{name} differs from torch's conv1d by {(value.float().cpu() - ref).abs().max().item():.3g}"
+            )
     x = torch.randn(2, 11, 64, generator=gen)
     w = torch.randn(64, 32, 8, generator=gen) / 16
     expected = F.conv_transpose1d(x.transpose(1, 2), w, stride=4).transpose(1, 2)[:, 4 : 4 + 40]
