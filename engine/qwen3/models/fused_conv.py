@@ -81,9 +81,8 @@ if triton is not None:
         n_ok = rn < c_out
         batch = rm // t_out
         t = rm % t_out  # the output row's first tap reads joined row t
-        x_first = (
-            batch.to(tl.int64) * t_x + t - context
-        )  # that row's place in x (< the batch's start: context)
+        # that row's place in x (before the batch's first row of x: the context)
+        x_first = batch.to(tl.int64) * t_x + t - context
         if HAS_PAST:
             past_first = tl.load(slots_ptr + batch, mask=m_ok, other=0).to(tl.int64) * context + t
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -94,17 +93,17 @@ if triton is not None:
             ck = (i - j * chunks) * BLOCK_K + rk
             k_ok = ck < c_in
             in_x = t + j * dilation >= context
-            a = tl.load(
-                x_ptr + (x_first + j * dilation)[:, None] * c_in + ck[None, :],
-                mask=(m_ok & in_x)[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            if HAS_PAST:  # the rows before x come from the slot's history (offline: silence)
-                a += tl.load(
-                    past_ptr + (past_first + j * dilation)[:, None] * c_in + ck[None, :],
-                    mask=(m_ok & ~in_x)[:, None] & k_ok[None, :],
+            x_rows = x_ptr + (x_first + j * dilation)[:, None] * c_in + ck[None, :]
+            if HAS_PAST:  # the rows before x come from the slot's history: one load either way, so
+                # it still feeds the dot directly and stays in the pipelined loop
+                past_rows = past_ptr + (past_first + j * dilation)[:, None] * c_in + ck[None, :]
+                a = tl.load(
+                    tl.where(in_x[:, None], x_rows, past_rows),
+                    mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
+            else:  # offline, silence before x
+                a = tl.load(x_rows, mask=(m_ok & in_x)[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(
                 w_ptr + (j * c_in + ck[:, None]).to(tl.int64) * c_out + rn[None, :],
                 mask=k_ok[:, None] & n_ok[None, :],
