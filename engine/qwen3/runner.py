@@ -35,7 +35,15 @@ from torch import Tensor
 
 from engine.qwen3.codec_state_cache import CodecStateCache
 from engine.qwen3.cuda_graphs import GraphBank, batch_buckets, bucket_for
-from engine.qwen3.models import decode_attention, fused_conv, fused_layer, fused_norm, fused_rope, sampler
+from engine.qwen3.models import (
+    decode_attention,
+    fused_conv,
+    fused_layer,
+    fused_norm,
+    fused_rope,
+    sampler,
+    window_attention,
+)
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import Qwen3TTSConfig
 from engine.qwen3.models.sampler import (
@@ -216,6 +224,7 @@ class Runner:
             fused_norm.check(dev)
             fused_rope.check(dev)
             fused_layer.check(dev)
+            window_attention.check(dev)
         defer = cuda if config.defer_codec is None else config.defer_codec
         self.defers_codec = bool(defer)
         # deferring on CUDA: first chunks replay on the first-chunk lane, beside the later chunks

@@ -6,8 +6,8 @@ Weight-compatible with the checkpoint's `speech_tokenizer/model.safetensors` `de
 - `decode(codes)`: offline, whole sequences at once.
 - `init_streams(max_slots)` then `decode_step(slots, codes)`: batched incremental decoding. Every
   layer is causal with a bounded left context, so each slot keeps only that context (causal-conv
-  input histories, the transposed convs' previous input, the last `sliding_window - 1` keys and
-  values of each attention layer, and its frame position) in pooled tensors indexed by slot.
+  input histories, the transposed convs' previous input, a ring of each attention layer's recent
+  keys and values, and its frame position) in pooled tensors indexed by slot.
   A chunk never re-decodes old frames, and the output equals `decode` of the whole sequence for
   any chunk schedule. Per step: fixed shapes per (batch, frames), no host syncs, in-place state
   updates, so the step can be captured in a CUDA graph.
@@ -23,9 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.qwen3.models import fused_conv, fused_rope, fused_snake
+from engine.qwen3.models import fused_conv, fused_rope, fused_snake, window_attention
 from engine.qwen3.models.layers import RMSNorm
 from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+# the longest chunk the streaming attention's kernel takes (the engine's largest chunk); longer
+# ones take its torch path
+RING_FRAMES = 25
 
 
 @dataclass(frozen=True)
@@ -463,37 +467,44 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor,
-        cache: tuple[Tensor, Tensor] | None = None,
-        slots: Tensor | None = None,
+        mask: Tensor | None,
+        stream: _Stream | None = None,
     ) -> Tensor:
-        """x [B, T, H]; cos/sin [B, T, D]; mask [B or 1, 1, T, keys] (True = attend).
-
-        With a cache (k, v: [slots, kv_heads, window-1, D]), keys are the slot's cached window
-        followed by the T new ones, and the cache is refreshed in place.
-        """
+        """x [B, T, H]; cos/sin [B, T, D]. Offline: mask [B or 1, 1, T, keys] (True = attend).
+        Streaming: the slots' rings of recent keys and values are attended and take the new ones
+        (window_attention)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
         if fused_rope.available(q):  # one kernel per tensor instead of about seven
             cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)
-            q, k = fused_rope.rope(q, cos, sin).transpose(1, 2), fused_rope.rope(k, cos, sin).transpose(1, 2)
+            q, k = fused_rope.rope(q, cos, sin), fused_rope.rope(k, cos, sin)
         else:
-            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:
-            assert slots is not None
-            k_cache, v_cache = cache
-            keep = k_cache.shape[2]
-            k = torch.cat([k_cache.index_select(0, slots), k], dim=2)
-            v = torch.cat([v_cache.index_select(0, slots), v], dim=2)
-            k_cache.index_copy_(0, slots, k[:, :, -keep:])
-            v_cache.index_copy_(0, slots, v[:, :, -keep:])
+            q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2)
+            k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        if stream is not None:
+            ring = stream.rings[0].shape[2]
+            fused = self.kv_heads == self.heads and window_attention.available(q, t, ring, stream.window)
+            attend = window_attention.attend if fused else window_attention.attend_reference
+            out = attend(q, k, v, stream.rings, stream.slots, stream.starts, stream.window)
+            return self.o_proj(out.reshape(b, t, -1))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """What a streaming step's attention layer reads: its rings, the rows' slots and first positions."""
+
+    rings: tuple[Tensor, Tensor]
+    slots: Tensor
+    starts: Tensor
+    window: int
 
 
 class MLP(nn.Module):
@@ -518,17 +529,9 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
-        cache: tuple[Tensor, Tensor] | None = None,
-        slots: Tensor | None = None,
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, stream: _Stream | None = None
     ) -> Tensor:
-        x = x + self.self_attn_layer_scale(
-            self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slots)
-        )
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, stream))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -546,17 +549,18 @@ class PreTransformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(d, cfg.rope_theta), persistent=False)
         self.kv: list[tuple[Tensor, Tensor]] = []  # per-layer stream caches (init_streams)
 
-    def forward(
-        self, x: Tensor, positions: Tensor, key_positions: Tensor, slots: Tensor | None = None
-    ) -> Tensor:
-        """x [B, T, latent]; positions [B|1, T] of the queries; key_positions [B|1, K] of the keys
-        attended (negative = empty). Streaming (slots given) prepends each slot's cached window."""
+    def forward(self, x: Tensor, positions: Tensor, slots: Tensor | None = None) -> Tensor:
+        """x [B, T, latent]; positions [B|1, T] of the queries (consecutive per row). Streaming
+        (slots given): each slot's ring of recent keys and values is attended and updated."""
         h = self.input_proj(x)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        q_pos, k_pos = positions[:, None, :, None], key_positions[:, None, None, :]
-        mask = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        mask, starts = None, positions[:, 0].contiguous()
+        if slots is None:
+            q_pos, k_pos = positions[:, None, :, None], positions[:, None, None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, self.kv[i] if slots is not None else None, slots)
+            stream = None if slots is None else _Stream(self.kv[i], slots, starts, self.window)
+            h = layer(h, cos, sin, mask, stream)
         return self.output_proj(self.norm(h))
 
 
@@ -601,11 +605,9 @@ class Code2Wav(nn.Module):
             if isinstance(module, (CausalConv, CausalTransConv)):
                 channels_last_weight(module.conv.weight)
 
-    def _synthesize(
-        self, codes: Tensor, positions: Tensor, key_positions: Tensor, slots: Tensor | None
-    ) -> Tensor:
+    def _synthesize(self, codes: Tensor, positions: Tensor, slots: Tensor | None) -> Tensor:
         h = self.pre_conv(self.quantizer(codes), slots)  # [B, F, C] from here on
-        h = self.pre_transformer(h, positions, key_positions, slots)
+        h = self.pre_transformer(h, positions, slots)
         for stage in self.upsample:
             trans_conv, convnext = cast(nn.ModuleList, stage)
             h = convnext(trans_conv(h, slots), slots)
@@ -632,7 +634,7 @@ class Code2Wav(nn.Module):
         """codes [B, F, Q] (negative = padding, decoded as code 0) -> waveform [B, F * 1920]."""
         codes = codes.clamp(min=0)
         positions = torch.arange(codes.shape[1], device=codes.device)[None]
-        return self._synthesize(codes, positions, positions, None)
+        return self._synthesize(codes, positions, None)
 
     # ---- streaming ---------------------------------------------------------------------------
 
@@ -646,7 +648,8 @@ class Code2Wav(nn.Module):
                     max_slots, module.history, module.channels, device=p.device, dtype=p.dtype
                 )
         c = self.cfg
-        shape = (max_slots, c.num_key_value_heads, c.sliding_window - 1, c.attn_head_dim)
+        ring = window_attention.ring_size(c.sliding_window, RING_FRAMES)
+        shape = (max_slots, c.num_key_value_heads, ring, c.attn_head_dim)
         self.pre_transformer.kv = [
             (
                 torch.zeros(shape, device=p.device, dtype=p.dtype),
@@ -694,7 +697,6 @@ class Code2Wav(nn.Module):
         start = self.positions.index_select(0, slots)[:, None]  # [B, 1]
         frames = codes.shape[1]
         positions = start + torch.arange(frames, device=codes.device)
-        key_positions = start + torch.arange(1 - self.window, frames, device=codes.device)
-        wav = self._synthesize(codes.clamp(min=0), positions, key_positions, slots)
+        wav = self._synthesize(codes.clamp(min=0), positions, slots)
         self.positions.index_copy_(0, slots, start[:, 0] + frames)
         return wav

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.qwen3.models import window_attention
+from engine.qwen3.models.codec import RING_FRAMES
 from tests.engine.qwen3.codec.conftest import SAMPLES_PER_FRAME, random_codes
 
 FRAMES = 200
@@ -133,9 +135,10 @@ def test_state_is_bounded_and_per_slot(codec: Any) -> None:
     assert codec.max_slots == 5
     per_slot = codec.state_bytes_per_slot()
     cfg = codec.cfg
-    kv = (
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.sliding_window - 1) * cfg.attn_head_dim * 4
-    )
+    # each attention layer's ring holds the window and the longest chunk the kernel takes
+    ring = window_attention.ring_size(cfg.sliding_window, RING_FRAMES)
+    assert ring >= cfg.sliding_window - 1 + RING_FRAMES
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ring * cfg.attn_head_dim * 4
     assert kv < per_slot < kv + 200_000
 
 

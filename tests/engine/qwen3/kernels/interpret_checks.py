@@ -659,6 +659,34 @@ def fused_conv_codec() -> str:
     return f"2 rows x 5 frames in chunks 1, 3, 1: max |diff| {diff:.3g}"
 
 
+# -- Code2Wav's streaming attention (engine.qwen3.models.window_attention) -------------------------------
+
+
+@check
+def window_attention() -> str:
+    """The ring kernel against its torch path (SDPA over the cached window read in order): the
+    output, and the rings after the chunk's keys went in; chunks of 1 frame to the longest the
+    kernel takes, from slots that are fresh (positions before 0 are empty) and well under way."""
+    from engine.qwen3.models import window_attention as wa
+
+    gen = torch.Generator().manual_seed(8)
+    window, heads, dim = 9, 2, 64
+    ring = wa.ring_size(window, 6)
+    worst = 0.0
+    for frames, starts in ((1, (0, 40)), (4, (3, 17)), (wa.kernel_frames(ring, window), (0, 95))):
+        rings = [torch.randn(4, heads, ring, dim, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        slots, first = torch.tensor([3, 1]), torch.tensor(starts)
+        q, k, v = (torch.randn(2, frames, heads, dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+        ref_rings = tuple(r.clone() for r in rings)
+        expected = wa.attend_reference(q, k, v, ref_rings, slots, first, window)
+        got = wa.attend(q, k, v, (rings[0], rings[1]), slots, first, window)
+        case = f"F={frames} starts={starts}"
+        worst = max(worst, close(got, expected, 2e-2, 2e-2, case))
+        for mine, theirs in zip(rings, ref_rings, strict=True):
+            close(mine, theirs, 0, 0, case + " rings")
+    return f"ring {ring}, window {window}: max |diff| {worst:.3g}"
+
+
 # -- the bounded sampler's draw (engine.qwen3.models.sampling_kernel) ----------------------------------------------
 
 
