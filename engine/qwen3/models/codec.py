@@ -167,7 +167,7 @@ class CausalConv(_Streamable):
     def forward(self, x: Tensor, slots: Tensor | None = None, with_bias: bool = True) -> Tensor:
         """x [B, T, C]. with_bias=False: the caller adds `conv.bias` itself, fused into its next op."""
         if self.conv.groups == 1 and fused_conv.available(x):
-            return cast(Tensor, self.fused(x, slots, with_bias=with_bias))
+            return self.fused(x, slots, with_bias=with_bias)
         x = self._with_context(x, slots)
         bias = self.conv.bias if with_bias else None
         if self.conv.groups == self.channels and fused_conv.available(x):
@@ -180,14 +180,10 @@ class CausalConv(_Streamable):
         slots: Tensor | None = None,
         snake: SnakeBeta | None = None,
         residual: Tensor | None = None,
-        then: SnakeBeta | None = None,
-        keep: bool = True,
         with_bias: bool = True,
-    ) -> Any:
+    ) -> Tensor:
         """The conv with its bias, then `snake`, then `+ residual`, in one fused kernel that reads
-        the left context in place (CUDA only: the caller checks fused_conv.available). then: the
-        next layer's activation of the result as a second output, (result, then(result)), or
-        then(result) alone without keep."""
+        the left context in place (CUDA only: the caller checks fused_conv.available)."""
         weight, bias = self._packed.get(self.conv.weight, self.conv.bias if with_bias else None)
         k, d = self.conv.kernel_size[0], self.conv.dilation[0]
         out = fused_conv.conv(
@@ -200,8 +196,6 @@ class CausalConv(_Streamable):
             residual=residual,
             context=self.history,
             past=self._past(slots),
-            snake_out=None if then is None else then.fp32_params(),
-            keep_main=keep,
         )
         self._refresh(x, slots)
         return out
@@ -221,10 +215,9 @@ class CausalTransConv(_Streamable):
     def fusable(self, x: Tensor) -> bool:
         return fused_conv.available(x) and self.conv.kernel_size[0] % self.stride == 0
 
-    def fused(self, x: Tensor, slots: Tensor | None = None, then: SnakeBeta | None = None) -> Any:
+    def fused(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
         """The fused kernel over taps = history + 1 inputs per output frame, reading the history in
-        place (offline, silence stands in for it). then: also the next layer's activation of the
-        output, as (output, then(output))."""
+        place (offline, silence stands in for it)."""
         n_new = x.shape[1] * self.stride
         weight, bias = self._packed.get(self.conv.weight, self.conv.bias, self.stride)
         y = fused_conv.conv(
@@ -235,17 +228,14 @@ class CausalTransConv(_Streamable):
             bias,
             context=self.history,
             past=self._past(slots),
-            snake_out=None if then is None else then.fp32_params(self.stride),
         )
         self._refresh(x, slots)
-        if then is None:
-            return y.view(y.shape[0], n_new, -1)
-        return tuple(part.view(part.shape[0], n_new, -1) for part in y)
+        return y.view(y.shape[0], n_new, -1)
 
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
         n_new = x.shape[1] * self.stride
         if self.fusable(x):
-            return cast(Tensor, self.fused(x, slots))
+            return self.fused(x, slots)
         if slots is None or not self.history:
             return _conv(x, self.conv, self.conv.bias)[:, :n_new]
         start = self.history * self.stride
@@ -260,7 +250,6 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
         self._derived: tuple[tuple[Any, ...], Tensor, Tensor, Tensor, Tensor] | None = None
-        self._tiled: tuple[tuple[Any, ...], Tensor, Tensor] | None = None
 
     def _params(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """e^alpha and 1 / e^beta, in the weights' dtype and in fp32 (the fused kernel's), computed
@@ -282,17 +271,9 @@ class SnakeBeta(nn.Module):
                 )
         return self._derived[1:]
 
-    def fp32_params(self, repeat: int = 1) -> tuple[Tensor, Tensor]:
-        """e^alpha and 1 / e^beta in fp32, as the fused kernels take them; repeat: tiled that many
-        times, for a transposed conv's packed output (`repeat` samples of every channel per row)."""
-        alpha, inv_beta = self._params()[2:]
-        if repeat == 1:
-            return alpha, inv_beta
-        assert self._derived is not None
-        key = (self._derived[0], repeat)
-        if self._tiled is None or self._tiled[0] != key:
-            self._tiled = (key, alpha.repeat(repeat), inv_beta.repeat(repeat))
-        return self._tiled[1], self._tiled[2]
+    def fp32_params(self) -> tuple[Tensor, Tensor]:
+        """e^alpha and 1 / e^beta in fp32, as the fused kernels take them."""
+        return self._params()[2:]
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., C]. bias: the previous conv's, added to x here (one pass over the tensor, not two)."""
@@ -327,17 +308,10 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def fused(self, x: Tensor, h: Tensor, slots: Tensor | None, then: SnakeBeta, keep: bool) -> Any:
-        """The unit in two fused kernels, given h = act1(x): the second also applies the next
-        layer's activation `then` to the result -> (result, then(result)), or then(result) alone
-        without keep (nothing after reads the result itself)."""
-        mid = self.conv1.fused(h, slots, snake=self.act2)
-        return self.conv2.fused(mid, residual=x, then=then, keep=keep)
-
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
         h = self.act1(x)
         if fused_conv.available(h):  # each conv with the ops after it in one kernel
-            return cast(Tensor, self.conv2.fused(self.conv1.fused(h, slots, snake=self.act2), residual=x))
+            return self.conv2.fused(self.conv1.fused(h, slots, snake=self.act2), residual=x)
         # the convs' biases ride in the ops after them: cuDNN adds a bias in a pass of its own
         h = self.act2(self.conv1(h, slots, with_bias=False), bias=self.conv1.conv.bias)
         y = self.conv2(h, with_bias=False)
@@ -360,16 +334,6 @@ class DecoderBlock(nn.Module):
         for layer in self.block[1:]:
             x = layer(x, slots)
         return x
-
-    def fused(self, a: Tensor, slots: Tensor | None, then: SnakeBeta) -> Tensor:
-        """The block on the fused kernels, from its activated input a = block[0](x), each SnakeBeta
-        done by the kernel before it -> then(the block's output)."""
-        trans = cast(CausalTransConv, self.block[1])
-        units = [cast(ResidualUnit, u) for u in self.block[2:]]
-        x, h = trans.fused(a, slots, then=units[0].act1)
-        for unit, after in zip(units[:-1], units[1:], strict=True):
-            x, h = unit.fused(x, h, slots, after.act1, keep=True)
-        return cast(Tensor, units[-1].fused(x, h, slots, then, keep=False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,23 +575,9 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             trans_conv, convnext = cast(nn.ModuleList, stage)
             h = convnext(trans_conv(h, slots), slots)
-        if fused_conv.available(h):
-            h = self._decoder_fused(h, slots)
-        else:
-            for layer in self.decoder:
-                h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
+        for layer in self.decoder:
+            h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
         return h.clamp(-1.0, 1.0).squeeze(-1)
-
-    def _decoder_fused(self, h: Tensor, slots: Tensor | None) -> Tensor:
-        """The decoder on the fused kernels: every SnakeBeta in the epilogue of the conv before
-        it, so no activation takes a pass of its own over the 24 kHz tensors."""
-        first, *blocks, last_act, last = self.decoder
-        blocks_ = [cast(DecoderBlock, b) for b in blocks]
-        acts = [cast(SnakeBeta, b.block[0]) for b in blocks_] + [cast(SnakeBeta, last_act)]
-        a = cast(CausalConv, first).fused(h, slots, then=acts[0], keep=False)
-        for block, then in zip(blocks_, acts[1:], strict=True):
-            a = block.fused(a, slots, then)
-        return cast(Tensor, cast(CausalConv, last)(a, slots))
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:

@@ -1,6 +1,5 @@
 """Code2Wav's convolutions as one Triton implicit-GEMM kernel on CUDA, with the ops after each conv
-(its bias, a SnakeBeta, the residual add, and the next layer's SnakeBeta as a second output) done
-in the kernel's epilogue.
+(its bias, a SnakeBeta, the residual add) done in the kernel's epilogue.
 
 cuDNN picks fast kernels for these channels-last, height-1 convolutions only when it autotunes each
 input shape, and every graph bucket is a new shape: tuning them all makes start-up minutes long,
@@ -51,9 +50,6 @@ if triton is not None:
         inv_beta_ptr,
         res_ptr,
         out_ptr,
-        alpha2_ptr,
-        inv_beta2_ptr,
-        out2_ptr,
         rows,
         t_out,
         t_x,
@@ -67,8 +63,6 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         SNAKE: tl.constexpr,
         RESIDUAL: tl.constexpr,
-        STORE_MAIN: tl.constexpr,
-        SNAKE_OUT: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -121,17 +115,7 @@ if triton is not None:
         mask = m_ok[:, None] & n_ok[None, :]
         if RESIDUAL:
             acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        main = acc.to(out_ptr.dtype.element_ty)
-        if STORE_MAIN:
-            tl.store(out_ptr + offs, main, mask=mask)
-        if SNAKE_OUT:  # the next layer's activation, of the output as stored (as a pass over it would)
-            y = main.to(tl.float32)
-            alpha2 = tl.load(alpha2_ptr + rn, mask=n_ok, other=0.0)
-            inv_beta2 = tl.load(inv_beta2_ptr + rn, mask=n_ok, other=0.0)
-            s2 = tl.sin(y * alpha2[None, :])
-            tl.store(
-                out2_ptr + offs, (y + inv_beta2[None, :] * s2 * s2).to(out2_ptr.dtype.element_ty), mask=mask
-            )
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 MAX_ROWS = 2**31 - 1  # 32-bit row indices in the kernel
@@ -208,36 +192,29 @@ def conv(
     residual: Tensor | None = None,
     context: int = 0,
     past: tuple[Tensor, Tensor] | None = None,
-    snake_out: tuple[Tensor, Tensor] | None = None,
-    keep_main: bool = True,
-) -> Any:
+) -> Tensor:
     """x [B, T, C_in] -> [B, T_out, C_out]; weight [taps * C_in, C_out] (`pack`); bias [C_out];
     snake: (alpha, 1 / beta) [C_out] in fp32, applied after the bias; residual [B, T_out, C_out],
-    added next. context: rows of left context before x, from past = (pool [slots, context, C_in],
-    slots [B]) or silence without it. snake_out: a second SnakeBeta's parameters, applied to the
-    output: the result is then (output, its activation), or the activation alone without keep_main."""
+    added last. context: rows of left context before x, from past = (pool [slots, context, C_in],
+    slots [B]) or silence without it."""
     x = x.contiguous()
     b, t_x, c_in = x.shape
     c_out = weight.shape[1]
     assert weight.shape[0] == taps * c_in, "weight not packed for these taps and channels"
-    assert keep_main or snake_out is not None, "nothing to store"
     t_out = context + t_x - (taps - 1) * dilation
-    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if keep_main else None
-    out2 = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if snake_out is not None else None
-    result = out2 if out is None else out if out2 is None else (out, out2)
+    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype)
     rows = b * t_out
     if rows == 0:
-        return result
+        return out
     if past is not None:
         pool, slots = past
         assert pool.shape[1:] == (context, c_in) and pool.is_contiguous(), "history pool mismatch"
         assert slots.shape == (b,), "one slot per batch row"
     tiles = tiling(rows, c_in, c_out, taps)
     alpha, inv_beta = snake if snake is not None else (x, x)
-    alpha2, inv_beta2 = snake_out if snake_out is not None else (x, x)
     if residual is not None:
         residual = residual.contiguous()
-        assert residual.shape == (b, t_out, c_out), "residual must match the output"
+        assert residual.shape == out.shape, "residual must match the output"
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(c_out, tiles.block_n))
     _conv_kernel[grid](
         x,
@@ -248,10 +225,7 @@ def conv(
         alpha,
         inv_beta,
         residual if residual is not None else x,
-        out if out is not None else out2,
-        alpha2,
-        inv_beta2,
-        out2 if out2 is not None else out,
+        out,
         rows,
         t_out,
         t_x,
@@ -265,8 +239,6 @@ def conv(
         HAS_BIAS=bias is not None,
         SNAKE=snake is not None,
         RESIDUAL=residual is not None,
-        STORE_MAIN=keep_main,
-        SNAKE_OUT=snake_out is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -274,7 +246,7 @@ def conv(
         num_warps=tiles.warps,
         num_stages=tiles.stages,
     )
-    return result
+    return out
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -338,23 +310,16 @@ def _compare(device: torch.device) -> None:
         got = conv(xd, pack(wd), taps, dilation, bd).float().cpu()
         if not torch.allclose(got, expected, rtol=3e-2, atol=3e-2):
             raise ValueError(f"differs from torch's conv1d by {(got - expected).abs().max().item():.3g}")
-    # the context read in place from a history pool, the next activation as a second output
+    # the context read in place from a history pool
     pool, x = torch.randn(3, 12, 32, generator=gen), torch.randn(2, 5, 32, generator=gen)
     w, slots = torch.randn(16, 32, 7, generator=gen) / 15, torch.tensor([2, 0])
-    joined = torch.cat([pool[slots], x], dim=1).transpose(1, 2)
-    expected = F.conv1d(joined, w, dilation=2).transpose(1, 2)
-    ones = torch.ones(16, device=device)
-    pd, xd, wd, sd = (t.to(device) for t in (pool, x, w, slots))
-    wd = pack(wd.to(torch.bfloat16))
-    got, activated = conv(
-        xd.to(torch.bfloat16), wd, 7, 2, context=12, past=(pd.to(torch.bfloat16), sd), snake_out=(ones, ones)
-    )
-    expected_act = expected + torch.sin(expected) ** 2
-    for name, value, ref in (("in-place context", got, expected), ("second output", activated, expected_act)):
-        if not torch.allclose(value.float().cpu(), ref, rtol=3e-2, atol=3e-2):
-            raise ValueError(
-                f"{name} differs from torch's conv1d by {(value.float().cpu() - ref).abs().max().item():.3g}"
-            )
+    expected = F.conv1d(torch.cat([pool[slots], x], dim=1).transpose(1, 2), w, dilation=2).transpose(1, 2)
+    pd, xd, wd = (t.to(device, torch.bfloat16) for t in (pool, x, w))
+    got = conv(xd, pack(wd), 7, 2, context=12, past=(pd, slots.to(device))).float().cpu()
+    if not torch.allclose(got, expected, rtol=3e-2, atol=3e-2):
+        raise ValueError(
+            f"the in-place context differs from torch's conv1d by {(got - expected).abs().max().item():.3g}"
+        )
     x = torch.randn(2, 11, 64, generator=gen)
     w = torch.randn(64, 32, 8, generator=gen) / 16
     expected = F.conv_transpose1d(x.transpose(1, 2), w, stride=4).transpose(1, 2)[:, 4 : 4 + 40]
