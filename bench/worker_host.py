@@ -46,6 +46,7 @@ from engine.api import (  # noqa: E402
     ChunkListener,
     EngineInfo,
     EngineLoad,
+    Overloaded,
     SynthesisRequest,
     SynthesisStream,
     TextSegment,
@@ -258,15 +259,23 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
             stream.push(TextSegment("Hello there.", char_start=0))
             stream.close_text()
             first = True
-            async for chunk in stream:
-                samples += chunk.samples.size
-                handed = stamp_of(chunk.samples)
-                if measuring and handed is not None:
-                    latencies.append(time.perf_counter() - handed)
-                    if first:
-                        first_latencies.append(latencies[-1])
-                first = first and handed is None
+            try:
+                async for chunk in stream:
+                    samples += chunk.samples.size
+                    handed = stamp_of(chunk.samples)
+                    if measuring and handed is not None:
+                        latencies.append(time.perf_counter() - handed)
+                        if first:
+                            first_latencies.append(latencies[-1])
+                    first = first and handed is None
+            except Overloaded as e:  # as a gateway client does: the same request after the wait
+                await asyncio.sleep(e.retry_after_s)
 
+    # the pool admits one stream until the worker's first load report gives its capacity
+    for _ in range(100):
+        if pool.load().capacity >= streams:
+            break
+        await asyncio.sleep(0.1)
     clients = [asyncio.create_task(one_client()) for _ in range(streams)]
     await asyncio.sleep(args.warmup)
     before = pool.load().extra, samples, time.perf_counter(), os.times()
