@@ -19,7 +19,10 @@ async def test_a_short_run_reports_cadence_host_time_and_cpu() -> None:
     assert row["streams"] == 8 and row["ideal_steps_per_s"] == 100.0
     assert 10.0 <= row["step_interval_ms"] < 60.0  # never faster than the slept GPU share
     assert 0 < row["host_ms_per_step"] < row["step_interval_ms"]
-    assert row["audio_s_per_s"] > 0 and row["worker_cpu_pct"] > 0
+    assert row["worker_cpu_pct"] > 0
+    # every stream is served: a frame (80 ms) per stream and step, allowing for the steps between
+    # one request and the next (one stream alone would give an eighth of this)
+    assert row["audio_s_per_s"] >= 0.5 * 8 * row["steps_per_s"] * 0.08
     # hand-off latency: the step thread's put -> this process's consumer, every chunk and first chunks
     assert row["first_chunks"] > 0
     for name in ("handoff", "first_handoff"):
