@@ -115,8 +115,8 @@ class SleepRunner:
         self.host_cpu_s += time.thread_time() - self._last_cpu
         time.sleep(self.gpu_s)
         codes = [[7] * 16 for _ in plan.sampling_rows]
-        audio = {c.request_id: np.zeros(c.num_frames * SAMPLES_PER_FRAME, np.float32) for c in plan.codec}
-        audio |= {f.request_id: np.zeros(SAMPLES_PER_FRAME, np.float32) for f in plan.first_audio_now}
+        audio = {c.request_id: np.zeros(c.num_frames * SAMPLES_PER_FRAME, np.int16) for c in plan.codec}
+        audio |= {f.request_id: np.zeros(SAMPLES_PER_FRAME, np.int16) for f in plan.first_audio_now}
         self._last = time.perf_counter()
         self._last_cpu = time.thread_time()
         return StepOutput(codes=codes, audio=audio)
@@ -225,7 +225,7 @@ class HostOnlyEngine:
                     del self.streams[o.request_id]
                     if o.status == RequestStatus.FINISHED_STOPPED:
                         batch.put(
-                            stream.channel, AudioChunk(o.request_id, np.zeros(0, np.float32), 0, final=True)
+                            stream.channel, AudioChunk(o.request_id, np.zeros(0, np.int16), 0, final=True)
                         )
                     else:
                         batch.finish(stream.channel)

@@ -141,9 +141,10 @@ def float_samples(samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> n
 @dataclass(frozen=True, slots=True)
 class AudioChunk:
     request_id: str
-    # mono at Engine.sample_rate: float32 in [-1, 1], or int16 PCM (`pcm16` of them), which an
-    # engine in another process hands over (half the bytes, and the gateway's default output as
-    # it is); `float_samples` gives either as float32. May be empty (a words-only or final chunk)
+    # mono at Engine.sample_rate: float32 in [-1, 1], or int16 PCM (`pcm16` of them), which the
+    # Qwen3 engine makes on the device and an engine in another process hands over (half the bytes,
+    # and the gateway's default output as it is); `float_samples` gives either as float32. May be
+    # empty (a words-only or final chunk)
     samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]
     # index of samples[0] on the utterance's timeline
     sample_offset: int

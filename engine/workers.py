@@ -106,8 +106,9 @@ _IOV_MAX = 1024  # buffers per writev call (Linux's IOV_MAX)
 
 def to_wire(messages: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], list[memoryview]]:
     """A batch's messages with each chunk's samples taken out, and those samples' bytes in order:
-    int16 PCM (`pcm16`), made here in the worker's process. The gateway's default output is that
-    PCM as it is, so its one core neither converts it nor reads twice the bytes."""
+    int16 PCM (`pcm16`), made here in the worker's process unless the engine made it. The gateway's
+    default output is that PCM as it is, so its one core neither converts it nor reads twice the
+    bytes."""
     wire: list[tuple[Any, ...]] = []
     audio: list[memoryview] = []
     for message in messages:

@@ -565,7 +565,7 @@ class Qwen3Engine:
             words, stream.pending_words = tuple(stream.pending_words), []
             batch.put(
                 stream.channel,
-                AudioChunk(o.request_id, np.asarray(o.audio, np.float32), o.sample_offset, words),
+                AudioChunk(o.request_id, o.audio, o.sample_offset, words),
             )
             stream.samples_sent = o.sample_offset + len(o.audio)
         if not o.finished:
@@ -576,7 +576,7 @@ class Qwen3Engine:
                 stream.channel,
                 AudioChunk(
                     o.request_id,
-                    np.zeros(0, np.float32),
+                    np.zeros(0, np.int16),
                     stream.samples_sent,
                     tuple(stream.pending_words),
                     final=True,

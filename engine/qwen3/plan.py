@@ -115,8 +115,9 @@ class StepOutput:
     # sampled frames in plan.sampling_rows order: 16 codes each (one host transfer per step); the
     # scheduler keeps each row as the request's frame, so a runner hands over fresh rows (tuples)
     codes: list[Frame] = field(default_factory=list)
-    # request id -> float32 samples of its codec chunk (num_frames * samples_per_frame)
-    audio: dict[str, npt.NDArray[np.float32]] = field(default_factory=dict)
+    # request id -> the samples of its codec chunk (num_frames * samples_per_frame): int16 PCM as the
+    # runner makes them on the device (`engine.api.pcm16`'s rounding), or float32 in [-1, 1]
+    audio: dict[str, npt.NDArray[np.int16] | npt.NDArray[np.float32]] = field(default_factory=dict)
     # (request id, frames) of the chunks in `audio`, when they are not simply this plan's chunks: a
     # runner that defers Code2Wav delivers a step's chunks with the next step's output
     delivered: list[tuple[str, int]] | None = None
@@ -127,7 +128,7 @@ class RequestOutput:
     """What one step produced for one request (scheduler -> engine front end)."""
 
     request_id: str
-    audio: npt.NDArray[np.float32] | None = None  # a decoded chunk
+    audio: npt.NDArray[np.int16] | npt.NDArray[np.float32] | None = None  # a decoded chunk
     sample_offset: int = 0  # index of audio[0] on the utterance's timeline
     finished_segments: list[Any] = field(default_factory=list)  # request.Segment objects just completed
     finished: bool = False  # the request has ended (see status)

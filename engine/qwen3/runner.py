@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.api import PCM16_FULL_SCALE
 from engine.qwen3.codec_state_cache import CodecStateCache
 from engine.qwen3.cuda_graphs import GraphBank, batch_buckets, bucket_for
 from engine.qwen3.models import (
@@ -135,6 +136,12 @@ class _SampledCodes:
 
     host: Tensor
     done: torch.cuda.Event | None
+
+
+def _pcm16(wav: Tensor) -> Tensor:
+    """Code2Wav's samples (already within [-1, 1]) as int16 PCM, as `engine.api.pcm16` rounds them:
+    made on the device, so the host copies the bytes the gateway sends and converts nothing."""
+    return torch.round(wav.float() * PCM16_FULL_SCALE).to(torch.int16)
 
 
 def _slices(n: int, size: int) -> Iterator[slice]:
@@ -645,8 +652,7 @@ class Runner:
             dummy = self.codec_dummy + int(first_lane)
             slots = torch.full((b,), dummy, dtype=torch.long, device=self.device)
             codes = torch.zeros(b, f, self.groups, dtype=torch.long, device=self.device)
-            dtype = next(self.codec.parameters()).dtype
-            out = torch.zeros(b, f * self.samples_per_frame, device=self.device, dtype=dtype)
+            out = torch.zeros(b, f * self.samples_per_frame, device=self.device, dtype=torch.int16)
             self._codec_io[key] = (slots, codes, out)
         return self._codec_io[key]
 
@@ -654,7 +660,7 @@ class Runner:
         slots, codes, out = self._codec_buffers(b, f, first_lane)
 
         def fn() -> None:
-            out.copy_(self.codec.decode_step(slots, codes))
+            out.copy_(_pcm16(self.codec.decode_step(slots, codes)))
 
         return fn
 
@@ -698,7 +704,7 @@ class Runner:
                 done.synchronize()
             audio: dict[str, np.ndarray] = {}
             for rows, wav in host:
-                arr = wav.float().numpy()
+                arr = wav.numpy()
                 for i, c in enumerate(rows):
                     audio[c.request_id] = arr[i]
             return audio
@@ -761,8 +767,8 @@ class Runner:
             (self.graphs, ("codec_first", b, f)) if first_lane else (self.codec_graphs, ("codec", b, f))
         )
         if key not in bank.graphs:
-            return self.codec.decode_step(
-                self._to_device(slot_list), codes.to(self.device, non_blocking=True)
+            return _pcm16(
+                self.codec.decode_step(self._to_device(slot_list), codes.to(self.device, non_blocking=True))
             )
         slots_buf, codes_buf, out = self._codec_buffers(b, f, first_lane)
         dummy = self.codec_dummy + int(first_lane)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.api import SynthesisRequest, TextSegment
+from engine.api import SynthesisRequest, TextSegment, float_samples
 from engine.qwen3.engine import Qwen3Engine
 from engine.qwen3.generate import GenerationRequest, generate_codes
 from engine.qwen3.prompt_builder import build_prompt
@@ -113,7 +113,7 @@ async def test_batched_greedy_output_equals_offline_generation_and_streamed_audi
         expected = offline_codes(bundle, text, n)
         got = torch.tensor(state.codes)
         assert got.shape == expected.shape and torch.equal(got, expected), rid
-        audio = np.concatenate([c.samples for c in await collect(stream)])
+        audio = np.concatenate([float_samples(c.samples) for c in await collect(stream)])
         with torch.no_grad():
             offline = codec.decode(expected[None])[0].numpy()
         np.testing.assert_allclose(audio, offline, atol=1e-4)
@@ -164,7 +164,7 @@ async def test_rows_of_one_chunk_size_beyond_one_batch_keep_their_own_audio_with
     opened = {rid: open_greedy(engine, rid, text, n) for rid, (text, n) in texts.items()}
     drive(engine)
     for rid, (stream, state) in opened.items():
-        audio = np.concatenate([c.samples for c in await collect(stream)])
+        audio = np.concatenate([float_samples(c.samples) for c in await collect(stream)])
         with torch.no_grad():
             offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
         np.testing.assert_allclose(audio, offline, atol=1e-4, err_msg=rid)
@@ -185,7 +185,7 @@ async def test_multi_segment_utterance_continues_one_codec_stream(bundle, defer)
     drive(engine)
     chunks = await collect(stream)
     assert [s.first_frame for s in state.done_segments] == [0, 3]
-    audio = np.concatenate([c.samples for c in chunks])
+    audio = np.concatenate([float_samples(c.samples) for c in chunks])
     with torch.no_grad():
         offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
     np.testing.assert_allclose(audio, offline, atol=1e-4)
@@ -215,7 +215,7 @@ async def test_frames_decoded_in_the_step_that_samples_them_keep_the_offline_aud
     # a request keeps the runner's rows as its frames: tuples, which the cyclic collector skips
     assert all(type(f) is tuple for _, state in opened.values() for f in state.codes)
     for rid, (stream, state) in opened.items():
-        audio = np.concatenate([c.samples for c in await collect(stream)])
+        audio = np.concatenate([float_samples(c.samples) for c in await collect(stream)])
         with torch.no_grad():
             offline = codec.decode(torch.tensor(state.codes)[None])[0].numpy()
         np.testing.assert_allclose(audio, offline, atol=1e-4, err_msg=rid)

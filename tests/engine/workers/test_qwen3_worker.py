@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cadence.engines import EngineOptions, build_engine
-from engine.api import Engine, SynthesisRequest, TextSegment, pcm16
+from engine.api import Engine, SynthesisRequest, TextSegment
 from engine.workers import WorkerPoolEngine
 from tests.engine.qwen3.test_voice_clone import clip
 
@@ -46,9 +46,10 @@ async def test_a_worker_process_speaks_like_the_engine_in_process(tmp_path) -> N
     assert isinstance(worker, WorkerPoolEngine) and not isinstance(in_process, WorkerPoolEngine)
     expected = await voices_spoken(in_process)
     got = await voices_spoken(worker)
-    for a, b in zip(got, expected, strict=True):  # the worker's audio comes as int16 PCM
-        assert a.dtype == np.int16 and a.size == 5 * 1920 and np.abs(a).max() > 0
-        np.testing.assert_allclose(a.astype(np.int32), pcm16(b).astype(np.int32), atol=1)
+    for a, b in zip(got, expected, strict=True):  # int16 PCM from the runner, passed on as it is
+        assert a.dtype == b.dtype == np.int16 and a.size == 5 * 1920 and np.abs(a).max() > 0
+        # the two processes' float sums may differ in their last bits: a sample may round one step apart
+        np.testing.assert_allclose(a.astype(np.int32), b.astype(np.int32), atol=1)
     assert worker.load().extra.get("workers_alive") is not None
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.api import SynthesisRequest, TextSegment
+from engine.api import SynthesisRequest, TextSegment, float_samples
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -61,7 +61,7 @@ async def _run(bundle, defer: bool) -> tuple[dict[str, list[list[int]]], dict[st
         if not engine.scheduler.has_work() and not engine.core._text:
             break
         engine.core._emit(engine.core.step())
-    audio = {rid: np.concatenate([c.samples async for c in s]) for rid, s in streams.items()}
+    audio = {rid: np.concatenate([float_samples(c.samples) async for c in s]) for rid, s in streams.items()}
     first_lane = sum(1 for k in engine.runner.graphs.graphs if k[0] == "codec_first")
     return {rid: st.codes for rid, st in states.items()}, audio, first_lane
 
