@@ -190,6 +190,7 @@ def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio
     """Each replay of a Code2Wav graph writes the same static output: every slice is copied out
     before the next replay of that bucket."""
     from engine.qwen3.plan import CodecChunk
+    from engine.qwen3.runner import _pcm16
 
     codec, f = runner.codec, 4
     codes = torch.randint(0, 2048, (4, f, 16))
@@ -207,7 +208,7 @@ def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio
             codec.reset(slots)
             # eager at the graph's shape (two rows a call): other shapes pick other cuDNN kernels
             eager = torch.cat([codec.decode_step(slots[i : i + 2], codes[i : i + 2].cuda()) for i in (0, 2)])
-            eager = eager.float().cpu()
+            eager = _pcm16(eager).cpu()  # the runner hands int16 PCM
     finally:
         runner.max_codec_batch = size
     assert ("codec", 2, f) in runner.codec_graphs.graphs
