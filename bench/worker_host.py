@@ -67,11 +67,13 @@ _STAMP_SAMPLES = 4  # 15 bits each: microseconds of the monotonic clock
 
 
 def stamp(samples: np.ndarray) -> None:
-    """Write the hand-off time into the chunk's first samples, as values that int16 PCM keeps."""
+    """Write the hand-off time into the chunk's first samples, as values that int16 PCM keeps
+    (int16 samples take the integers themselves)."""
     if samples.size >= _STAMP_SAMPLES:
         us = int(time.perf_counter() * 1e6)
+        scale = 1 if samples.dtype == np.int16 else PCM16_FULL_SCALE
         for k in range(_STAMP_SAMPLES):
-            samples[k] = ((us >> (15 * k)) & 0x7FFF) / PCM16_FULL_SCALE
+            samples[k] = ((us >> (15 * k)) & 0x7FFF) / scale
 
 
 def stamp_of(samples: np.ndarray) -> float | None:
@@ -218,7 +220,7 @@ class HostOnlyEngine:
                 if stream is None:
                     continue
                 if o.audio is not None:
-                    samples = np.asarray(o.audio, np.float32)
+                    samples = o.audio  # int16 PCM, as the Qwen3 runner hands it
                     stamp(samples)
                     batch.put(stream.channel, AudioChunk(o.request_id, samples, o.sample_offset))
                 if o.finished:
