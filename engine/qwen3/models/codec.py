@@ -518,13 +518,15 @@ class PreTransformer(nn.Module):
         (slots given): each slot's ring of recent keys and values is attended and updated."""
         h = self.input_proj(x)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        mask, starts = None, positions[:, 0].contiguous()
         if slots is None:
             q_pos, k_pos = positions[:, None, :, None], positions[:, None, None, :]
             mask = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        for i, layer in enumerate(self.layers):
-            stream = None if slots is None else _Stream(self.kv[i], slots, starts, self.window)
-            h = layer(h, cos, sin, mask, stream)
+            for layer in self.layers:
+                h = layer(h, cos, sin, mask)
+        else:
+            starts = positions[:, 0].contiguous()
+            for layer, rings in zip(self.layers, self.kv, strict=True):
+                h = layer(h, cos, sin, None, _Stream(rings, slots, starts, self.window))
         return self.output_proj(self.norm(h))
 
 

@@ -8,12 +8,13 @@ layer's shape from a table measured once (`tiling`), so start-up tunes nothing, 
 saves a pass over the activations per fused op.
 
 The convolution is causal over x [B, T, C_in] (channels last, contiguous) behind `context` rows of
-left context: a stream slot's history read from its pool (`past`, [slots, context, C_in]) or, offline,
-silence. Over the joined input u = [context | x], output row t of batch b is sum_j u[b, t + j *
-dilation] @ W_j, t < T_out = context + T - (taps - 1) * dilation, accumulated in fp32. Reading the
-context in place spares a copy of every layer's input; the caller refreshes the pool afterwards. A transposed convolution whose kernel is a whole
-number m of strides r is the same kernel over m taps with r * C_out output channels: output column
-p * C_out + n of input s is sample s * r + p of channel n (`pack_transposed`).
+left context: a stream slot's history read from its pool (`past`, [slots, context, C_in]) or,
+offline, silence. Over the joined input u = [context | x], output row t of batch b is
+sum_j u[b, t + j * dilation] @ W_j, t < T_out = context + T - (taps - 1) * dilation, accumulated
+in fp32. Reading the context in place spares a copy of every layer's input; the caller refreshes
+the pool afterwards. A transposed convolution whose kernel is a whole number m of strides r is the
+same kernel over m taps with r * C_out output channels: output column p * C_out + n of input s is
+sample s * r + p of channel n (`pack_transposed`).
 
 `guard` switches the kernel off on a device where it differs from torch's convolution; the codec
 then runs cuDNN, autotuned (runner).

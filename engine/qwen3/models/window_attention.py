@@ -159,8 +159,9 @@ def attend_reference(
     starts: Tensor,
     window: int,
 ) -> Tensor:
-    """`attend` in torch ops, for any F: the cached window read in order from the ring, SDPA over it
-    and the new keys, then the new keys written (the last `ring` of them, when F is longer)."""
+    """`attend` in torch ops, for any F and grouped queries (k and v with fewer heads than q): the
+    cached window read in order from the ring, SDPA over it and the new keys, then the new keys
+    written (the last `ring` of them, when F is longer)."""
     b, frames, heads, dim = q.shape
     k_ring, v_ring = rings
     ring = k_ring.shape[2]
@@ -170,6 +171,9 @@ def attend_reference(
     past_v = v_ring[slots[:, None], :, where]
     keys = torch.cat([past_k, k], dim=1).transpose(1, 2)
     values = torch.cat([past_v, v], dim=1).transpose(1, 2)
+    if keys.shape[1] != heads:  # grouped queries: each kv head serves heads // kv_heads of them
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        values = values.repeat_interleave(heads // values.shape[1], dim=1)
     q_pos = (starts[:, None] + torch.arange(frames, device=q.device))[:, None, :, None]
     k_pos = torch.cat([cached, q_pos[:, 0, :, 0]], dim=1)[:, None, None, :]
     mask = (k_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - window)

@@ -130,6 +130,24 @@ def test_a_slots_state_copied_into_others_continues_like_the_original(
     )
 
 
+def test_grouped_query_attention_streams_as_offline() -> None:
+    """A decoder whose attention has fewer key/value heads than query heads streams, through the
+    ring, what it decodes offline."""
+    from engine.qwen3.models.codec import Code2Wav
+    from tests.engine.qwen3.codec.conftest import liven_decoder, tiny_tokenizer_config_dict
+
+    cfg = dict(tiny_tokenizer_config_dict()["decoder_config"], num_attention_heads=4, num_key_value_heads=2)
+    codec = Code2Wav(cfg).eval()
+    liven_decoder(codec)
+    codes = random_codes(1, 30, seed=3)
+    codec.init_streams(2)
+    with torch.no_grad():
+        offline = codec.decode(codes)[0]
+    streamed = stream(codec, 1, codes[0], chunks([1, 4, 25], 30))
+    assert offline.abs().max() > 1e-3
+    torch.testing.assert_close(streamed, offline, atol=TOL, rtol=0)
+
+
 def test_state_is_bounded_and_per_slot(codec: Any) -> None:
     codec.init_streams(5)
     assert codec.max_slots == 5
