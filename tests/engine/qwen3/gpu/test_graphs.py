@@ -9,7 +9,7 @@ import torch
 from engine.qwen3.models.codec import Code2Wav
 from engine.qwen3.models.config import parse_config
 from engine.qwen3.models.talker import Talker
-from engine.qwen3.runner import RowSampling, Runner, RunnerConfig
+from engine.qwen3.runner import RowSampling, Runner, RunnerConfig, _pcm16
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -168,7 +168,7 @@ def test_codec_graph_equals_eager_on_a_twin_slot(runner):
         codes_buf.copy_(codes)
         runner.codec_graphs.graphs[("codec", 1, f)].replay()
         torch.cuda.synchronize()
-    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(out, _pcm16(eager))  # the graph writes the int16 PCM the runner hands
     assert int(codec.positions[1]) == f  # the graph advanced the twin slot's state
 
 
@@ -190,7 +190,6 @@ def test_rows_of_one_size_over_several_replays_of_one_graph_keep_their_own_audio
     """Each replay of a Code2Wav graph writes the same static output: every slice is copied out
     before the next replay of that bucket."""
     from engine.qwen3.plan import CodecChunk
-    from engine.qwen3.runner import _pcm16
 
     codec, f = runner.codec, 4
     codes = torch.randint(0, 2048, (4, f, 16))
