@@ -19,6 +19,10 @@ for name in $names; do
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
     --platform manylinux_2_34_x86_64 --platform manylinux1_x86_64
 done
+# py-spy for PYSPY_AT (bench/gpu_bench_e2e.sh): a tool of the benchmark, not of the server
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d .whl py-spy==0.4.3 \
+  --python-version 3.12 --implementation cp --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64
+echo "gpu_wheels: py-spy==0.4.3"
 # redis-server for the multi-gateway runs (bench/gpus.sh): this machine's binary and the libraries a
 # bare GPU image may lack, into .whl/bin and .whl/lib (bench/gpu_env.sh puts them on the paths)
 if command -v redis-server >/dev/null; then
