@@ -20,7 +20,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -730,6 +730,22 @@ def load_model(
 # --------------------------------------------------------------------------- the aligner
 
 
+_R = TypeVar("_R")
+
+
+def _on_own_stream(method: Callable[..., _R]) -> Callable[..., _R]:
+    """Run an aligner method with its stream current (on CUDA)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Qwen3ForcedAligner, *args: Any, **kwargs: Any) -> _R:
+        if self.stream is None:
+            return method(self, *args, **kwargs)
+        with torch.cuda.stream(self.stream):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Qwen3ForcedAligner:
     """Batched forced alignment with Qwen3-ForcedAligner weights from a local directory."""
 
@@ -746,6 +762,12 @@ class Qwen3ForcedAligner:
         self.device = model.lm_head.weight.device
         self.mel = LogMel(self.device)
         model.audio_tower.steady_shapes = self.device.type == "cuda"
+        # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
+        # the engine's instead of queueing behind them, and each side's wait for its results
+        # waits for its own work only.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are in
 
     @classmethod
     def from_directory(
@@ -772,6 +794,7 @@ class Qwen3ForcedAligner:
     def max_audio_s(self) -> float:
         return self.cfg.classes * self.cfg.slot_ms / 1000.0
 
+    @_on_own_stream
     @torch.inference_mode()
     def warm_up(self, max_batch: int = 32, max_chunks: int = 1024) -> None:
         """Meet the kernels' first-use costs at start-up rather than in a caller's first batches:
@@ -857,11 +880,13 @@ class Qwen3ForcedAligner:
             [flat[end - count : end] for count, end in zip(slots, ends, strict=True)]
         )
 
+    @_on_own_stream
     @torch.inference_mode()
     def slot_times_ms(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> list[list[int]]:
         """Repaired slot times in ms for 16 kHz waves and their unit lists (two slots per unit)."""
         return self._slot_times(*self._launch(waves, words))
 
+    @_on_own_stream
     @torch.inference_mode()
     def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
         if not batch:

@@ -38,11 +38,15 @@ class LoadCurve:
     mean of the rows observed there and a running estimate of the cost that rises fast and falls
     slowly (`rise`, `fall`): a batch of one size costs more when more of its streams are young
     (a step with many first chunks), and admission must hold through such waves, not on average.
-    A bucket above every one measured in the last `memory` observations is forgotten: the cost
-    there is measured again when load comes back, instead of holding admission below it forever.
+    Where a smaller batch costs more than a larger one, the larger is held at the smaller's cost
+    (noise must not make a larger batch look cheaper), unless the smaller was last observed an
+    eighth of `memory` or more before the larger: then the smaller is passed over (a ramp's costly
+    first steps, never measured again once load has moved past them, must not cap the batches
+    measured since). A bucket above every one measured in the last `memory` observations is
+    forgotten: the cost there is measured again when load comes back, instead of holding
+    admission below it forever.
 
-    `predict(rows)` interpolates between the buckets, never below the cost of a smaller batch
-    (noise must not make a larger batch look cheaper); past the largest batch measured it goes on
+    `predict(rows)` interpolates between the buckets of that curve; past the largest batch measured it goes on
     along the steeper of the last segment and the mean slope, but only out to `reach()` (a
     quarter further, at least `probe_rows` more): a cost never measured near there is not
     predicted, so capacity grows as load shows what larger batches cost, a step at a time."""
@@ -75,7 +79,7 @@ class LoadCurve:
             point[0] += 0.1 * (rows - point[0])
             point[1] += (self.rise if cost > point[1] else self.fall) * (cost - point[1])
             point[2] = self.samples
-        if self.samples % 64 == 0:
+        if self.samples % max(1, min(64, self.memory // 8)) == 0:
             self._forget_stale()
         self._curve = None
 
@@ -87,12 +91,17 @@ class LoadCurve:
                 del self._points[key]
 
     def curve(self) -> list[tuple[float, float]]:
-        """The buckets' (rows, cost), by rows, the cost made non-decreasing."""
+        """The buckets' (rows, cost), by rows, the cost made non-decreasing (see the class)."""
         if self._curve is None:
-            out: list[tuple[float, float]] = []
-            for rows, cost in sorted((p[0], p[1]) for p in self._points.values()):
-                out.append((rows, max(cost, out[-1][1]) if out else cost))
-            self._curve = out
+            kept: list[tuple[float, float, float]] = []  # (rows, cost, last observation)
+            superseded = max(1, self.memory // 8)
+            for rows, cost, last in sorted(tuple(p) for p in self._points.values()):
+                while kept and kept[-1][1] > cost and last - kept[-1][2] >= superseded:
+                    kept.pop()  # a costlier smaller batch, long unobserved: passed over
+                if kept and kept[-1][1] > cost:
+                    cost = kept[-1][1]  # held at the smaller batch's cost
+                kept.append((rows, cost, last))
+            self._curve = [(rows, cost) for rows, cost, _ in kept]
         return self._curve
 
     def largest_rows(self) -> float:

@@ -480,6 +480,8 @@ _MEAN_FIGURES = (
     "prefill_tokens",
     "codec_frames",
     "codec_launches",
+    "admission_step_",
+    "admission_curve_reach",
     "aligner_share",  # each worker's aligner shares its own GPU
     "aligner_backlog_s",
     "aligner_sync_added_ttfa_ms_",

@@ -1,13 +1,16 @@
 """What the forced aligner's worker keeps in real time, measured as it runs (engine.admission; no torch).
 
-Every aligned stream hands the aligner its audio as the wrapped engine makes it, so n aligned
-streams speaking in real time need n seconds of their audio aligned each second: the aligner keeps
-up while n times what one second of a stream's audio costs it stays within `headroom` of real
-time. That cost is measured per window of the worker's calls (busy seconds over the streams' audio
-aligned, each second counted once however often sync probes align part of it again: the probes are
-part of its price), against the aligned streams admitted meanwhile; the LoadCurve holds n times it
-by n (a second costs less as batches grow). Before anything is measured, `initial_streams` are
-admitted; the curve then predicts out to that many past the largest n measured.
+Every aligned stream hands the aligner its audio as the wrapped engine makes it: at least in real
+time, and faster while the engine has room. The aligner keeps up while its share of real time for
+the aligned streams stays within `headroom`. That share is measured per window of the worker's
+calls, against the aligned streams admitted meanwhile: the larger of the time it was busy over the
+window's length (the audio as fast as it came) and n times what a second of a stream's audio cost
+it (n streams in real time; each second counted once however often sync probes align part of it
+again: the probes are part of its price). The LoadCurve holds it by n (a second of audio costs less
+as batches grow, and each stream is made more slowly as the engine fills).
+Before anything is measured, `initial_streams` are admitted; the curve then predicts out to that
+many past the largest n measured, and forgets within `MEMORY_WINDOWS` a costlier n it no longer
+sees (a cold start's first windows must not hold admission for minutes).
 
 Work queued and not yet aligned must not grow without bound: while the backlog, priced at what a
 second of aligned audio costs, is over `backlog_limit_s`, no new aligned stream starts (the words
@@ -29,6 +32,7 @@ HEADROOM = 0.7  # the aligner's predicted share of real time for the aligned str
 BACKLOG_LIMIT_S = 1.0  # aligner seconds of queued work beyond which no new aligned stream starts
 WINDOW_S = 0.5  # the worker's calls folded into one measurement at least this long
 INITIAL_STREAMS = 64  # admitted before anything is measured, and the curve's reach past it
+MEMORY_WINDOWS = 16  # the curve's memory, in windows
 
 
 class AlignerCapacity:
@@ -45,8 +49,8 @@ class AlignerCapacity:
         self.window_s = window_s
         self.initial_streams = initial_streams
         self.clock = clock
-        # by aligned streams: their share of real time (n x aligner-seconds per second of audio)
-        self.curve = LoadCurve(probe_factor=2.0, probe_rows=initial_streams)
+        # by aligned streams: the share of real time the aligner takes for them
+        self.curve = LoadCurve(probe_factor=2.0, probe_rows=initial_streams, memory=MEMORY_WINDOWS)
         self.cost_per_audio_s: float | None = None  # last window: busy seconds per stream-audio second
         self.cost_per_aligned_s: float | None = None  # running: per second aligned, probes included
         self._streams = 0
@@ -73,7 +77,8 @@ class AlignerCapacity:
         if span >= self.window_s and self._fresh_s > 0:
             streams = max(1.0, self._stream_s / span)
             self.cost_per_audio_s = self._busy_s / self._fresh_s
-            self.curve.observe(max(1, round(streams)), streams * self.cost_per_audio_s)
+            share = max(self._busy_s / span, streams * self.cost_per_audio_s)
+            self.curve.observe(max(1, round(streams)), share)
             self._window_at = self._since
             self._stream_s = self._busy_s = self._fresh_s = 0.0
 

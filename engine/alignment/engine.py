@@ -424,6 +424,7 @@ class AlignedEngine:
                     "aligner_queued": float(self._worker.queued),
                     "aligner_largest_batch": float(stats.largest_batch),
                     "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
+                    "aligner_busy_s": stats.busy_s,
                     # admission by the aligner's measured cost (engine.alignment.capacity)
                     "aligner_capacity": float(aligner.capacity),
                     "aligner_streams": float(aligner.admitted),

@@ -56,6 +56,16 @@ class StepCapacity:
             return max(measured, min(self.initial_streams, upper))
         return measured
 
+    def figures(self, admitted: int) -> dict[str, float]:
+        """What holds admission where it is: the step limit, and the step the curve predicts for
+        one stream more than `admitted` (absent past the curve's reach)."""
+        out = {"admission_step_limit_ms": 1000 * self.limit_s}
+        predicted = self.curve.predict(admitted + 1)
+        if predicted is not None:
+            out["admission_step_next_ms"] = 1000 * predicted
+        out["admission_curve_reach"] = self.curve.reach()
+        return out
+
     def starts(self, rows: int, waiting_first: int, tokens_per_step: int) -> int:
         """New streams that may start now with first audio within the target: the steps that
         leaves beyond their own, times the prompts a step's spare token budget takes."""

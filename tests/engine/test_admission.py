@@ -32,6 +32,23 @@ def test_the_curve_interpolates_and_never_falls_with_the_batch() -> None:
     assert curve.predict(4) == 10.0
 
 
+def test_a_costlier_smaller_batch_long_unobserved_no_longer_caps_the_larger() -> None:
+    curve = LoadCurve(rise=1.0, fall=1.0, memory=80)  # passed over 10 observations on
+    curve.observe(8, 10.0)
+    curve.observe(300, 60.0)  # a ramp's costly step, never measured again
+    curve.observe(450, 30.0)
+    assert curve.predict(450) == 60.0  # still fresh: held
+    for _ in range(8):
+        curve.observe(450, 30.0)
+    assert curve.predict(450) == 60.0
+    curve.observe(450, 30.0)
+    assert curve.predict(450) == 30.0
+    assert curve.predict(229) == pytest.approx(20.0)  # between 8 and 450, as if 300 were never seen
+    assert curve.rows_within(40.0, 10_000) > 450
+    curve.observe(300, 60.0)  # measured again: holds the larger batch again
+    assert curve.predict(450) == 60.0
+
+
 def test_the_curve_reaches_only_a_little_past_what_was_measured() -> None:
     curve = LoadCurve(rise=1.0, fall=1.0, probe_factor=1.25, probe_rows=8)
     curve.observe(100, 30.0)

@@ -78,3 +78,25 @@ def test_probes_are_part_of_the_price_of_a_second_and_the_backlog_is_priced_per_
     assert cost.cost_per_aligned_s == pytest.approx(0.2)
     assert cost.backlog_s(4.0) == pytest.approx(0.8) and cost.starts(4.0) > 0
     assert cost.backlog_s(6.0) == pytest.approx(1.2) and cost.starts(6.0) == 0
+
+
+def test_audio_made_faster_than_real_time_takes_the_share_it_costs() -> None:
+    clock = Clock()
+    cost = AlignerCapacity(headroom=0.7, window_s=1.0, clock=clock)
+    measured(clock, cost, 10, busy_s=0.4, audio_s=40.0)  # ten streams made at four times real time
+    assert cost.cost_per_audio_s == pytest.approx(0.01)
+    assert cost.share(10) == pytest.approx(0.4)  # not 10 x 0.01: what they made, as fast as it came
+    assert cost.capacity(1000) == 17
+
+
+def test_a_costly_first_window_above_the_load_since_is_forgotten() -> None:
+    clock = Clock()
+    cost = AlignerCapacity(headroom=0.7, window_s=0.5, initial_streams=64, clock=clock)
+    measured(clock, cost, 64, busy_s=0.5, audio_s=4.0)  # a cold start: every second costly
+    assert cost.capacity(1000) == 0
+    held = []
+    for _ in range(60):  # then fewer streams, each second cheap
+        measured(clock, cost, 40, busy_s=0.05, audio_s=20.0)
+        held.append(cost.capacity(1000) < 64)
+    assert held[0] and not held[-1]
+    assert cost.capacity(1000) >= 64  # the costly 64 forgotten: the curve reaches past 40 again
