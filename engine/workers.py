@@ -483,6 +483,8 @@ _MEAN_FIGURES = (
     "admission_step_",
     "admission_curve_reach",
     "aligner_share",  # each worker's aligner shares its own GPU
+    "aligner_throughput_",
+    "aligner_stream_rate",
     "aligner_backlog_s",
     "aligner_sync_added_ttfa_ms_",
 )

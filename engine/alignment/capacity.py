@@ -1,38 +1,43 @@
-"""What the forced aligner's worker keeps in real time, measured as it runs (engine.admission; no torch).
+"""What the forced aligner's worker keeps up with, measured as it runs (engine.admission; no torch).
 
 Every aligned stream hands the aligner its audio as the wrapped engine makes it: at least in real
-time, and faster while the engine has room. The aligner keeps up while its share of real time for
-the aligned streams stays within `headroom`. That share is measured per window of the worker's
-calls, against the aligned streams admitted meanwhile: the larger of the time it was busy over the
-window's length (the audio as fast as it came) and n times what a second of a stream's audio cost
-it (n streams in real time; each second counted once however often sync probes align part of it
-again: the probes are part of its price). The LoadCurve holds it by n (a second of audio costs less
-as batches grow, and each stream is made more slowly as the engine fills).
-Before anything is measured, `initial_streams` are admitted; the curve then predicts out to that
-many past the largest n measured, and forgets within `MEMORY_WINDOWS` a costlier n it no longer
-sees (a cold start's first windows must not hold admission for minutes).
+time, and faster while the engine has room. The worker aligns whatever is queued as one batch, so
+it keeps up while the audio the aligned streams make each second stays within `headroom` of what
+it aligns in a second at its largest batch. Two things are measured as it runs:
 
-Work queued and not yet aligned must not grow without bound: while the backlog, priced at what a
-second of aligned audio costs, is over `backlog_limit_s`, no new aligned stream starts (the words
-of those admitted would fall further behind their audio).
+- what a call costs by the jobs in it (a LoadCurve of call seconds by batch: a call's cost is
+  mostly fixed, so a batch of 32 takes far less than 32 of one), and the audio a job holds;
+- the audio each aligned stream makes per second (per window of the worker's calls, against the
+  aligned streams admitted meanwhile; sync probes count, since they are aligned again; at least
+  real time: a stream still waiting for its first audio will speak).
+
+Its throughput is predicted at the largest batch the curve reaches (out to `max_batch`), and
+capacity reaches at most twice the aligned streams measured so far (at least `initial_streams`),
+so it grows as load shows what larger batches cost and how fast streams then make their audio.
+Before any call is measured, `initial_streams` are admitted.
+
+Work queued and not yet aligned must not grow without bound: while the backlog, priced at that
+throughput, is over `backlog_limit_s`, no new aligned stream starts (the words of those admitted
+would fall further behind their audio).
 
 On a GPU the aligner shares with the TTS engine, its kernels also lengthen the engine's steps; the
 engine's own step measurement (engine.qwen3.capacity) sees that, so only the aligner's keeping up
-is counted here, and the TTS kernels' share of the GPU shows up in the aligner's busy time.
+is counted here, and the TTS kernels' share of the GPU shows up in the aligner's call times.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 from engine.admission import LoadCurve
 
-HEADROOM = 0.7  # the aligner's predicted share of real time for the aligned streams admitted
+HEADROOM = 0.7  # the aligned streams' audio per second, as a share of what the aligner aligns in one
 BACKLOG_LIMIT_S = 1.0  # aligner seconds of queued work beyond which no new aligned stream starts
-WINDOW_S = 0.5  # the worker's calls folded into one measurement at least this long
-INITIAL_STREAMS = 64  # admitted before anything is measured, and the curve's reach past it
-MEMORY_WINDOWS = 16  # the curve's memory, in windows
+WINDOW_S = 0.5  # the worker's calls folded into one measurement of the streams' rate at least this long
+INITIAL_STREAMS = 64  # admitted before anything is measured
+MAX_BATCH = 64  # the worker's largest batch
 
 
 class AlignerCapacity:
@@ -42,71 +47,89 @@ class AlignerCapacity:
         backlog_limit_s: float = BACKLOG_LIMIT_S,
         window_s: float = WINDOW_S,
         initial_streams: int = INITIAL_STREAMS,
+        max_batch: int = MAX_BATCH,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.headroom = headroom
         self.backlog_limit_s = backlog_limit_s
         self.window_s = window_s
         self.initial_streams = initial_streams
+        self.max_batch = max_batch
         self.clock = clock
-        # by aligned streams: the share of real time the aligner takes for them
-        self.curve = LoadCurve(probe_factor=2.0, probe_rows=initial_streams, memory=MEMORY_WINDOWS)
-        self.cost_per_audio_s: float | None = None  # last window: busy seconds per stream-audio second
-        self.cost_per_aligned_s: float | None = None  # running: per second aligned, probes included
+        self.calls = LoadCurve(probe_factor=2.0, probe_rows=8)  # a call's seconds by its jobs
+        self.job_audio_s: float | None = None  # running mean of the audio in one job, probes included
+        self.rate: float | None = None  # running mean: audio aligned per aligned stream per second
+        self.cost_per_aligned_s: float | None = None  # running: busy seconds per second aligned
+        self.most_streams = 0.0  # the most aligned streams over a window measured
         self._streams = 0
         self._since = self._window_at = clock()
-        self._stream_s = self._busy_s = self._fresh_s = 0.0
+        self._stream_s = self._audio_s = 0.0
 
     def streams(self, count: int) -> None:
         """The aligned streams admitted now."""
         self._fold()
-        if self._streams == 0 and self._busy_s == 0:  # the window so far was idle: it measures nothing
+        if self._streams == 0 and self._audio_s == 0:  # the window so far was idle: it measures nothing
             self._window_at, self._stream_s = self._since, 0.0
         self._streams = count
 
-    def batch(self, busy_s: float, audio_s: float, fresh_s: float) -> None:
-        """One aligner call: `busy_s` for `audio_s` of audio, of which `fresh_s` the streams' own
-        audio that no earlier call held."""
-        if audio_s > 0 and busy_s >= 0:
-            cost, mean = busy_s / audio_s, self.cost_per_aligned_s
-            self.cost_per_aligned_s = cost if mean is None else mean + 0.1 * (cost - mean)
+    def batch(self, busy_s: float, audio_s: float, jobs: int) -> None:
+        """One aligner call: `busy_s` for `jobs` jobs holding `audio_s` of audio."""
+        if jobs < 1 or audio_s <= 0 or busy_s < 0:
+            return
+        self.calls.observe(jobs, busy_s)
+        self.job_audio_s = _mean(self.job_audio_s, audio_s / jobs, 0.1)
+        self.cost_per_aligned_s = _mean(self.cost_per_aligned_s, busy_s / audio_s, 0.1)
         self._fold()
-        self._busy_s += busy_s
-        self._fresh_s += fresh_s
+        self._audio_s += audio_s
         span = self._since - self._window_at
-        if span >= self.window_s and self._fresh_s > 0:
-            streams = max(1.0, self._stream_s / span)
-            self.cost_per_audio_s = self._busy_s / self._fresh_s
-            share = max(self._busy_s / span, streams * self.cost_per_audio_s)
-            self.curve.observe(max(1, round(streams)), share)
+        if span >= self.window_s and self._stream_s > 0:
+            self.rate = _mean(self.rate, max(1.0, self._audio_s / self._stream_s), 0.2)
+            self.most_streams = max(self.most_streams, self._stream_s / span)
             self._window_at = self._since
-            self._stream_s = self._busy_s = self._fresh_s = 0.0
+            self._stream_s = self._audio_s = 0.0
 
     def _fold(self) -> None:
         now = self.clock()
         self._stream_s += self._streams * (now - self._since)
         self._since = now
 
+    def throughput(self) -> float | None:
+        """Audio seconds aligned per second at the largest batch the measured calls predict."""
+        if self.job_audio_s is None:
+            return None
+        batch = min(self.max_batch, math.floor(self.calls.reach()))
+        call_s = self.calls.predict(batch)
+        if batch < 1 or call_s is None or call_s <= 0:
+            return None
+        return batch * self.job_audio_s / call_s
+
     def capacity(self, upper: int) -> int:
-        """Aligned streams the measured cost keeps within the headroom."""
-        if not self.curve.curve():
+        """Aligned streams whose audio the aligner keeps up with, within the headroom."""
+        throughput = self.throughput()
+        if throughput is None:
             return min(self.initial_streams, upper)
-        return self.curve.rows_within(self.headroom, upper)
+        reach = max(self.initial_streams, math.floor(2 * self.most_streams))
+        return min(upper, reach, math.floor(self.headroom * throughput / (self.rate or 1.0)))
 
     def share(self, streams: int) -> float:
-        """The predicted share of real time `streams` aligned streams take (0 before a measurement)."""
-        if streams <= 0:
+        """The predicted share of the aligner's throughput `streams` aligned streams take."""
+        throughput = self.throughput()
+        if streams <= 0 or throughput is None:
             return 0.0
-        predicted = self.curve.predict(streams)
-        if predicted is None:  # past the curve's reach: in proportion to its largest point
-            curve = self.curve.curve()
-            return curve[-1][1] * streams / curve[-1][0] if curve else 0.0
-        return predicted
+        return streams * (self.rate or 1.0) / throughput
 
     def backlog_s(self, queued_audio_s: float) -> float:
-        """Aligner seconds the queued audio needs."""
-        return queued_audio_s * (self.cost_per_aligned_s or 0.0)
+        """Aligner seconds the queued audio needs (before a throughput is known, at what a second
+        has cost so far)."""
+        throughput = self.throughput()
+        if throughput is None:
+            return queued_audio_s * (self.cost_per_aligned_s or 0.0)
+        return queued_audio_s / throughput
 
     def starts(self, queued_audio_s: float) -> int:
         """New aligned streams that may start now: none while the backlog is over its limit."""
         return 0 if self.backlog_s(queued_audio_s) > self.backlog_limit_s else 1 << 30
+
+
+def _mean(mean: float | None, value: float, weight: float) -> float:
+    return value if mean is None else mean + weight * (value - mean)

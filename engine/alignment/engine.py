@@ -11,7 +11,7 @@ time them; the added time to first audio is measured and reported in `load().ext
 (the wrapped engine's own words). The request says it (`SynthesisRequest.word_alignment`, the
 gateway's per session), or the stream's optional `set_word_alignment(mode)` before its first chunk.
 
-Admission counts the aligner's share (engine.alignment.capacity): a stream that wants the aligner's
+Admission counts what the aligner keeps up with (engine.alignment.capacity): a stream that wants the aligner's
 words is admitted only while the aligner keeps up with one more, and then as the wrapped engine
 admits it; beyond that it waits in a bounded queue (`utterance.queued`, through `queue_position`)
 or is refused (Overloaded, with a Retry-After), as the wrapped engine's own admission does. "off"
@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from engine.admission import Admission, Ticket, in_series
 from engine.alignment.api import Aligner
-from engine.alignment.capacity import AlignerCapacity
+from engine.alignment.capacity import MAX_BATCH, AlignerCapacity
 from engine.alignment.track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
 from engine.alignment.worker import AlignerWorker
 from engine.api import (
@@ -233,7 +233,7 @@ class AlignedEngine:
         aligner: Aligner | Callable[[], Aligner],
         *,
         default_mode: AlignmentMode = "async",
-        max_batch: int = 32,
+        max_batch: int = MAX_BATCH,
         queue_limit: int = 256,
         cost: AlignerCapacity | None = None,
     ) -> None:
@@ -248,7 +248,7 @@ class AlignedEngine:
         else:
             self._aligner_factory = aligner
         self.max_batch = max_batch
-        self.cost = cost or AlignerCapacity()
+        self.cost = cost or AlignerCapacity(max_batch=max_batch)
         # bounded by the measured cost alone: the wrapped engine has its own bound
         self.admission: Admission[AlignedStream] = Admission(
             MAX_ALIGNED_STREAMS, queue_limit, capacity=self._cost_capacity, starts=self._starts
@@ -394,14 +394,14 @@ class AlignedEngine:
             stream.refuse(exc)
         self._count()
 
-    def _batch_in_worker(self, busy_s: float, audio_s: float, fresh_s: float) -> None:
+    def _batch_in_worker(self, busy_s: float, audio_s: float, jobs: int) -> None:
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop may be closed at shutdown
-                loop.call_soon_threadsafe(self._batch_measured, busy_s, audio_s, fresh_s)
+                loop.call_soon_threadsafe(self._batch_measured, busy_s, audio_s, jobs)
 
-    def _batch_measured(self, busy_s: float, audio_s: float, fresh_s: float) -> None:
-        self.cost.batch(busy_s, audio_s, fresh_s)
+    def _batch_measured(self, busy_s: float, audio_s: float, jobs: int) -> None:
+        self.cost.batch(busy_s, audio_s, jobs)
         self._promote()  # the cost measured, or the backlog drained, may admit more now
 
     # -- load ---------------------------------------------------------------------------------------
@@ -430,6 +430,8 @@ class AlignedEngine:
                     "aligner_streams": float(aligner.admitted),
                     "aligner_streams_queued": float(aligner.queued),
                     "aligner_share": self.cost.share(aligner.admitted),
+                    "aligner_throughput_audio_s_per_s": self.cost.throughput() or 0.0,
+                    "aligner_stream_rate": self.cost.rate or 0.0,  # audio a stream makes per second
                     "aligner_backlog_s": backlog,
                 }
             )

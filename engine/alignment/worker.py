@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.alignment.api import AlignedWord, Aligner
+from engine.alignment.capacity import MAX_BATCH
 from engine.alignment.track import AlignJob
 from engine.api import WordTiming
 
@@ -33,14 +34,14 @@ class AlignerStats:
     largest_batch: int = 0
 
 
-BatchDone = Callable[[float, float, float], None]  # (busy s, audio s, the streams' own audio s)
+BatchDone = Callable[[float, float, int], None]  # (busy s, audio s, jobs)
 
 
 class AlignerWorker:
     """Batches alignment jobs from every stream on one thread; `on_batch` hears what each call cost
     (on this thread)."""
 
-    def __init__(self, aligner: Aligner, max_batch: int = 32, on_batch: BatchDone | None = None) -> None:
+    def __init__(self, aligner: Aligner, max_batch: int = MAX_BATCH, on_batch: BatchDone | None = None) -> None:
         self.aligner = aligner
         self.max_batch = max_batch
         self.on_batch = on_batch
@@ -123,7 +124,7 @@ class AlignerWorker:
         self.stats.batches += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
         if self.on_batch is not None:
-            self.on_batch(busy, audio, fresh)
+            self.on_batch(busy, audio, len(jobs))
         for (job, done), aligned in zip(batch, results, strict=True):
             if job.probe:
                 self.stats.probes += 1

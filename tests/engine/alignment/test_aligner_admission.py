@@ -225,7 +225,7 @@ async def test_the_streams_audio_counts_once_however_often_probes_align_it(engin
 
 
 def test_the_worker_counts_its_backlog_and_reports_each_call() -> None:
-    calls: list[tuple[float, float, float]] = []
+    calls: list[tuple[float, float, int]] = []
     gate = threading.Event()
     worker = AlignerWorker(SpreadAligner(gate=gate), on_batch=lambda *call: calls.append(call))
 
@@ -250,5 +250,5 @@ def test_the_worker_counts_its_backlog_and_reports_each_call() -> None:
     finally:
         worker.stop()
     assert worker.queued_audio_s == 0.0
-    assert [(audio, fresh) for _, audio, fresh in calls] == [(1.0, 1.0), (1.5, 0.5)]
+    assert [(audio, jobs) for _, audio, jobs in calls] == [(1.0, 1), (1.5, 1)]
     assert worker.stats.stream_audio_s == pytest.approx(1.5)

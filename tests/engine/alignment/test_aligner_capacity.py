@@ -1,5 +1,5 @@
-"""engine.alignment.capacity: the aligner's share of real time by aligned streams, from what a second
-of their audio costs it, and the backlog that holds new streams back."""
+"""engine.alignment.capacity: the aligned streams the aligner keeps up with, from what its calls cost
+by batch and how fast the streams make their audio, and the backlog that holds new streams back."""
 
 from __future__ import annotations
 
@@ -16,87 +16,68 @@ class Clock:
         return self.now
 
 
-def measured(clock: Clock, cost: AlignerCapacity, streams: int, busy_s: float, audio_s: float) -> None:
-    """`streams` aligned streams for one window, in which the aligner spent `busy_s` on `audio_s`
-    of their audio (no probes)."""
+def window(clock: Clock, cost: AlignerCapacity, streams: int, calls: list[tuple[float, float, int]]) -> None:
+    """`streams` aligned streams for one window, in which the aligner made `calls` (busy s, audio s,
+    jobs)."""
     cost.streams(streams)
     clock.now += cost.window_s
-    cost.batch(busy_s, audio_s, audio_s)
+    for busy_s, audio_s, jobs in calls:
+        cost.batch(busy_s, audio_s, jobs)
 
 
-def test_before_any_measurement_the_initial_streams_are_admitted() -> None:
+def test_before_any_call_the_initial_streams_are_admitted() -> None:
     cost = AlignerCapacity(initial_streams=8, clock=Clock())
     assert cost.capacity(100) == 8 and cost.capacity(5) == 5
     assert cost.share(3) == 0.0 and cost.starts(100.0) > 0  # no price yet for a backlog
 
 
-def test_a_window_prices_a_second_of_audio_and_the_capacity_follows() -> None:
+def test_the_throughput_at_the_largest_batch_measured_sets_the_capacity() -> None:
     clock = Clock()
-    cost = AlignerCapacity(headroom=0.7, window_s=1.0, clock=clock)
-    cost.streams(1)
-    clock.now = 0.5
-    cost.batch(0.1, 0.5, 0.5)
-    assert not cost.curve.curve()  # half a window: nothing observed yet
-    clock.now = 1.0
-    cost.batch(0.1, 0.5, 0.5)
-    assert cost.cost_per_audio_s == pytest.approx(0.2)  # 0.2 s of aligner per second of audio
-    assert cost.share(1) == pytest.approx(0.2) and cost.share(3) == pytest.approx(0.6)
-    assert cost.capacity(100) == 3  # four would take 0.8 of real time
-    assert cost.capacity(2) == 2
+    cost = AlignerCapacity(headroom=0.5, window_s=1.0, initial_streams=4, max_batch=32, clock=clock)
+    window(clock, cost, 4, [(0.04, 4.0, 4)])  # four streams in real time: one call of four 1 s jobs
+    assert cost.rate == pytest.approx(1.0) and cost.job_audio_s == pytest.approx(1.0)
+    # one call measured: predicted in proportion out to its reach (8 more jobs), 12 jobs in 0.12 s
+    assert cost.throughput() == pytest.approx(100.0)
+    assert cost.capacity(1000) == 8  # 50 streams' worth, but no more than twice the four measured
+    window(clock, cost, 8, [(0.05, 8.0, 8)] * 2)  # 8 jobs cost little more than 4: a fixed cost
+    assert cost.calls.reach() == 16
+    # 16 jobs along the last segment: 0.04 + 12 x 0.0025 s
+    assert cost.throughput() == pytest.approx(16 / 0.07)
+    assert cost.capacity(1000) == 16  # twice the 8 measured
+    assert cost.capacity(10) == 10
 
 
-def test_a_second_costing_less_in_larger_batches_admits_more_than_in_proportion() -> None:
+def test_audio_made_faster_than_real_time_takes_more_of_the_aligner() -> None:
     clock = Clock()
-    cost = AlignerCapacity(headroom=0.7, window_s=1.0, clock=clock)
-    measured(clock, cost, 4, busy_s=0.12, audio_s=4.0)  # 4 streams: 0.12 of real time
-    assert cost.capacity(1000) == 23  # in proportion from one point
-    measured(clock, cost, 8, busy_s=0.18, audio_s=8.0)  # 8 streams: 0.18, not 0.24
-    assert cost.share(8) == pytest.approx(0.18)
-    assert cost.capacity(1000) == 42  # along the measured slope (in proportion to 8: 31)
+    cost = AlignerCapacity(headroom=0.7, window_s=1.0, initial_streams=64, max_batch=32, clock=clock)
+    for _ in range(30):  # ten streams made at four times real time, in calls of 20 one-second jobs
+        window(clock, cost, 10, [(0.1, 20.0, 20), (0.1, 20.0, 20)])
+    assert cost.rate == pytest.approx(4.0, rel=1e-2)
+    assert cost.throughput() == pytest.approx(200.0)  # 32 jobs predicted past the 20 measured
+    assert cost.capacity(1000) == 35  # 0.7 x 200 audio-s/s over 4 audio-s/s a stream
+    assert cost.share(35) == pytest.approx(0.7, rel=1e-2)
 
 
-def test_the_streams_are_counted_over_the_window_and_idle_time_is_no_window() -> None:
+def test_a_stream_counts_as_real_time_at_least() -> None:
     clock = Clock()
     cost = AlignerCapacity(window_s=1.0, clock=clock)
-    clock.now = 100.0  # idle since the start
-    cost.streams(2)
-    clock.now = 100.5
-    cost.streams(4)
-    clock.now = 101.0
-    cost.batch(0.3, 3.0, 3.0)  # 3 streams on average over the window, 0.1 s per audio second
-    (point,) = cost.curve.curve()
-    assert point == pytest.approx((3.0, 0.3))
+    window(clock, cost, 10, [(0.05, 2.0, 2)])  # ten streams, most still waiting for first audio
+    assert cost.rate == 1.0
 
 
-def test_probes_are_part_of_the_price_of_a_second_and_the_backlog_is_priced_per_second_aligned() -> None:
+def test_the_backlog_is_priced_at_the_throughput_and_holds_new_streams_back() -> None:
     clock = Clock()
-    cost = AlignerCapacity(headroom=0.7, backlog_limit_s=1.0, window_s=1.0, clock=clock)
-    cost.streams(1)
-    clock.now = 1.0
-    cost.batch(0.3, 1.5, 1.0)  # 1.5 s aligned, of which 1 s the stream's own: probes overlap
-    assert cost.share(1) == pytest.approx(0.3)
-    assert cost.cost_per_aligned_s == pytest.approx(0.2)
-    assert cost.backlog_s(4.0) == pytest.approx(0.8) and cost.starts(4.0) > 0
-    assert cost.backlog_s(6.0) == pytest.approx(1.2) and cost.starts(6.0) == 0
+    cost = AlignerCapacity(backlog_limit_s=1.0, window_s=1.0, max_batch=8, clock=clock)
+    assert cost.backlog_s(10.0) == 0.0
+    window(clock, cost, 4, [(0.1, 8.0, 8)])  # 80 audio-s/s at 8 jobs
+    assert cost.throughput() == pytest.approx(80.0)
+    assert cost.backlog_s(40.0) == pytest.approx(0.5) and cost.starts(40.0) > 0
+    assert cost.backlog_s(120.0) == pytest.approx(1.5) and cost.starts(120.0) == 0
 
 
-def test_audio_made_faster_than_real_time_takes_the_share_it_costs() -> None:
-    clock = Clock()
-    cost = AlignerCapacity(headroom=0.7, window_s=1.0, clock=clock)
-    measured(clock, cost, 10, busy_s=0.4, audio_s=40.0)  # ten streams made at four times real time
-    assert cost.cost_per_audio_s == pytest.approx(0.01)
-    assert cost.share(10) == pytest.approx(0.4)  # not 10 x 0.01: what they made, as fast as it came
-    assert cost.capacity(1000) == 17
-
-
-def test_a_costly_first_window_above_the_load_since_is_forgotten() -> None:
-    clock = Clock()
-    cost = AlignerCapacity(headroom=0.7, window_s=0.5, initial_streams=64, clock=clock)
-    measured(clock, cost, 64, busy_s=0.5, audio_s=4.0)  # a cold start: every second costly
-    assert cost.capacity(1000) == 0
-    held = []
-    for _ in range(60):  # then fewer streams, each second cheap
-        measured(clock, cost, 40, busy_s=0.05, audio_s=20.0)
-        held.append(cost.capacity(1000) < 64)
-    assert held[0] and not held[-1]
-    assert cost.capacity(1000) >= 64  # the costly 64 forgotten: the curve reaches past 40 again
+def test_nonsense_calls_are_ignored() -> None:
+    cost = AlignerCapacity(clock=Clock())
+    cost.batch(0.1, 0.0, 1)
+    cost.batch(0.1, 1.0, 0)
+    cost.batch(-1.0, 1.0, 1)
+    assert cost.throughput() is None and cost.calls.samples == 0
