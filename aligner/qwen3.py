@@ -731,6 +731,7 @@ def load_model(
 
 
 _R = TypeVar("_R")
+STREAM_PRIORITY = -1  # above a TTS engine's steps (0), below its first-chunk lane (the highest)
 
 
 def _on_own_stream(method: Callable[..., _R]) -> Callable[..., _R]:
@@ -764,8 +765,12 @@ class Qwen3ForcedAligner:
         model.audio_tower.steady_shapes = self.device.type == "cuda"
         # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
         # the engine's instead of queueing behind them, and each side's wait for its results
-        # waits for its own work only.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # waits for its own work only. Above the engine's steps in priority: a call is a long
+        # chain of small kernels, each of which would otherwise wait for the engine's larger ones,
+        # while its own GPU time is small.
+        self.stream = (
+            torch.cuda.Stream(self.device, priority=STREAM_PRIORITY) if self.device.type == "cuda" else None
+        )
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are in
 
