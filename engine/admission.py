@@ -65,6 +65,8 @@ class LoadCurve:
         self.probe_rows = probe_rows
         self._points: dict[int, list[float]] = {}  # bucket -> [mean rows, cost, last observation]
         self._curve: list[tuple[float, float]] | None = None  # (rows, cost), rising in both
+        self._xs: list[float] = []  # the curve's rows
+        self._within: dict[tuple[float, int], int] = {}  # rows_within's answers for this curve
         self.samples = 0
 
     def observe(self, rows: int, cost: float) -> None:
@@ -82,6 +84,7 @@ class LoadCurve:
         if self.samples % max(1, min(64, self.memory // 8)) == 0:
             self._forget_stale()
         self._curve = None
+        self._within.clear()
 
     def _forget_stale(self) -> None:
         recent = [k for k, p in self._points.items() if self.samples - p[2] <= self.memory]
@@ -102,6 +105,7 @@ class LoadCurve:
                     cost = kept[-1][1]  # held at the smaller batch's cost
                 kept.append((rows, cost, last))
             self._curve = [(rows, cost) for rows, cost, _ in kept]
+            self._xs = [rows for rows, _, _ in kept]
         return self._curve
 
     def largest_rows(self) -> float:
@@ -117,7 +121,7 @@ class LoadCurve:
         curve = self.curve()
         if not curve or rows > self.reach():
             return None
-        xs = [r for r, _ in curve]
+        xs = self._xs
         i = bisect_left(xs, rows)
         if i < len(curve) and xs[i] == rows:
             return curve[i][1]
@@ -137,6 +141,10 @@ class LoadCurve:
     def rows_within(self, limit: float, upper: int) -> int:
         """The largest row count, at most `upper`, whose predicted cost is within `limit` (0 when
         none is: nothing measured yet, or even one row costs more)."""
+        key = (limit, upper)
+        known = self._within.get(key)
+        if known is not None:
+            return known
         top = min(upper, math.floor(self.reach()))
         lo, hi = 0, top
         while lo < hi:  # predict() is non-decreasing in rows
@@ -146,6 +154,7 @@ class LoadCurve:
                 lo = mid
             else:
                 hi = mid - 1
+        self._within[key] = lo
         return lo
 
 

@@ -49,6 +49,15 @@ def test_a_costlier_smaller_batch_long_unobserved_no_longer_caps_the_larger() ->
     assert curve.predict(450) == 60.0
 
 
+def test_what_the_curve_admits_follows_each_new_observation() -> None:
+    curve = LoadCurve(rise=1.0, fall=1.0)
+    curve.observe(100, 10.0)
+    assert curve.rows_within(30.0, 1000) == 125  # out to its reach
+    assert curve.rows_within(30.0, 1000) == 125  # asked again: the same answer
+    curve.observe(100, 40.0)
+    assert curve.rows_within(30.0, 1000) == 0  # even the batch measured now costs more
+
+
 def test_the_curve_reaches_only_a_little_past_what_was_measured() -> None:
     curve = LoadCurve(rise=1.0, fall=1.0, probe_factor=1.25, probe_rows=8)
     curve.observe(100, 30.0)
