@@ -41,7 +41,9 @@ class AlignerWorker:
     """Batches alignment jobs from every stream on one thread; `on_batch` hears what each call cost
     (on this thread)."""
 
-    def __init__(self, aligner: Aligner, max_batch: int = MAX_BATCH, on_batch: BatchDone | None = None) -> None:
+    def __init__(
+        self, aligner: Aligner, max_batch: int = MAX_BATCH, on_batch: BatchDone | None = None
+    ) -> None:
         self.aligner = aligner
         self.max_batch = max_batch
         self.on_batch = on_batch
