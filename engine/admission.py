@@ -46,8 +46,8 @@ class LoadCurve:
     forgotten: the cost there is measured again when load comes back, instead of holding
     admission below it forever.
 
-    `predict(rows)` interpolates between the buckets of that curve; past the largest batch measured it goes on
-    along the steeper of the last segment and the mean slope, but only out to `reach()` (a
+    `predict(rows)` interpolates between the buckets of that curve; past the largest batch measured
+    it goes on along the steeper of the last segment and the mean slope, but only out to `reach()` (a
     quarter further, at least `probe_rows` more): a cost never measured near there is not
     predicted, so capacity grows as load shows what larger batches cost, a step at a time."""
 
@@ -81,7 +81,7 @@ class LoadCurve:
             point[0] += 0.1 * (rows - point[0])
             point[1] += (self.rise if cost > point[1] else self.fall) * (cost - point[1])
             point[2] = self.samples
-        if self.samples % max(1, min(64, self.memory // 8)) == 0:
+        if self.samples % 64 == 0:
             self._forget_stale()
         self._curve = None
         self._within.clear()

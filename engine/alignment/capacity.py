@@ -98,8 +98,8 @@ class AlignerCapacity:
         if self.job_audio_s is None:
             return None
         batch = min(self.max_batch, math.floor(self.calls.reach()))
-        call_s = self.calls.predict(batch)
-        if batch < 1 or call_s is None or call_s <= 0:
+        call_s = self.calls.predict(batch) if batch >= 1 else None
+        if call_s is None or call_s <= 0:
             return None
         return batch * self.job_audio_s / call_s
 

@@ -425,6 +425,8 @@ class AlignedEngine:
                     "aligner_largest_batch": float(stats.largest_batch),
                     "aligner_audio_s_per_s": stats.audio_s / stats.busy_s if stats.busy_s else 0.0,
                     "aligner_busy_s": stats.busy_s,
+                    "aligner_audio_s": stats.audio_s,  # probes included
+                    "aligner_stream_audio_s": stats.stream_audio_s,  # each second of a stream once
                     # admission by the aligner's measured cost (engine.alignment.capacity)
                     "aligner_capacity": float(aligner.capacity),
                     "aligner_streams": float(aligner.admitted),

@@ -119,7 +119,7 @@ class AlignJob:
     cancelled: bool = False
     probe: bool = False  # a sync probe: the audio so far of a segment still being made
     # seconds of the window no earlier job of the utterance held (probes overlap): the stream's
-    # own audio, against which the aligner's cost is measured (engine.alignment.capacity)
+    # own audio, beside the audio aligned in all (`aligner_stream_audio_s`, `aligner_audio_s`)
     fresh_s: float = 0.0
 
     @property

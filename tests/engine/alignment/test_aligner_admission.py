@@ -220,8 +220,11 @@ async def test_the_streams_audio_counts_once_however_often_probes_align_it(engin
     total_s = sum(len(c.samples) for c in chunks) / engine.info.sample_rate
     assert stats.probes > 0 and stats.audio_s > total_s  # probes aligned some of it again
     assert stats.stream_audio_s == pytest.approx(total_s)
+    extra = engine.load().extra
+    assert extra["aligner_stream_audio_s"] == pytest.approx(total_s)
+    assert extra["aligner_audio_s"] == pytest.approx(stats.audio_s)
     # the stand-in for trained weights keeps a word's times as the window grows: probes send words
-    assert engine.load().extra["aligner_probe_words"] > 0
+    assert extra["aligner_probe_words"] > 0
 
 
 def test_the_worker_counts_its_backlog_and_reports_each_call() -> None:
