@@ -32,6 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from aligner.graphs import AlignerGraphs
+from aligner.layout import (
+    DecoderLayout,
+    EncoderLayout,
+    chunk_bucket,
+    conv_length,
+    encoder_output_length,
+    upload,
+)
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
 from engine.alignment.api import AlignedWord, AlignInput
 from engine.qwen3.models.layers import RMSNorm
@@ -49,7 +58,6 @@ N_MELS = 128
 # and nearly every batch of clips and texts has a new shape.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KOREAN_DICTIONARY_FILE = "korean_dict_jieba.dict"
-IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
@@ -176,18 +184,6 @@ class LogMel:
         return log_spec, [min(math.ceil(len(w) / HOP), frames) for w in waveforms]
 
 
-def encoder_output_length(frames: IntOrArray) -> IntOrArray:
-    """Audio embeddings for ``frames`` mel frames: 13 per full 100-frame chunk plus the tail's."""
-    tail = frames % 100
-    after_conv = (tail - 1) // 2 + 1
-    tokens: IntOrArray = ((after_conv - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
-    return tokens
-
-
-def _conv_length(frames: int) -> int:
-    return (frames - 1) // 2 + 1
-
-
 # --------------------------------------------------------------------------- audio encoder
 
 
@@ -200,12 +196,12 @@ class _AudioAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        windows, length, dim = x.shape
-        shape = (windows, length, self.heads, dim // self.heads)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows, length, dim = x.shape
+        shape = (rows, length, self.heads, dim // self.heads)
         q, k, v = (proj(x).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(windows, length, dim))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.transpose(1, 2).reshape(rows, length, dim))
 
 
 class _AudioLayer(nn.Module):
@@ -217,8 +213,8 @@ class _AudioLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
@@ -237,8 +233,9 @@ class AudioEncoder(nn.Module):
     does). The two agree for clips up to 8 s.
 
     ``steady_shapes=True`` pads every chunk to full width and the chunk count to a bucket, so the
-    convolutions meet few distinct shapes (on CUDA each new one costs cuDNN a plan); the padding
-    never reaches a kept token.
+    convolutions meet few distinct shapes (on CUDA each new one costs cuDNN a plan), and packs the
+    windows into full-window rows of a bucketed count (aligner.layout), which CUDA graphs cover;
+    the padding never reaches a kept token.
     """
 
     def __init__(self, cfg: AudioEncoderConfig) -> None:
@@ -250,13 +247,26 @@ class AudioEncoder(nn.Module):
         self.conv2d1 = nn.Conv2d(1, ch, 3, 2, padding=1)
         self.conv2d2 = nn.Conv2d(ch, ch, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(ch, ch, 3, 2, padding=1)
-        freq = _conv_length(_conv_length(_conv_length(cfg.num_mel_bins)))
+        freq = conv_length(conv_length(conv_length(cfg.num_mel_bins)))
         self.conv_out = nn.Linear(ch * freq, cfg.d_model, bias=False)
         self.layers = nn.ModuleList(_AudioLayer(cfg) for _ in range(cfg.layers))
         self.ln_post = nn.LayerNorm(cfg.d_model)
         self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self.positions: torch.Tensor | None = None
+
+    @property
+    def chunk_frames(self) -> int:
+        return 2 * self.cfg.n_window
+
+    @property
+    def window_chunks(self) -> int:
+        return self.cfg.n_window_infer // self.chunk_frames
+
+    @property
+    def full_window(self) -> int:
+        """Tokens in a window of full chunks: the length of a steady-shape row."""
+        return int(encoder_output_length(self.chunk_frames)) * self.window_chunks
 
     def _position_table(self, device: torch.device) -> torch.Tensor:
         if self.positions is None or self.positions.device != device:
@@ -285,20 +295,20 @@ class AudioEncoder(nn.Module):
         tokens, counts = self.encode(features, frame_counts)
         return list(torch.split(tokens, counts))
 
-    def encode(self, features: torch.Tensor, frame_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def encode(
+        self, features: torch.Tensor, frame_counts: list[int], attend: Attend | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """features (batch, mel, frames) -> every item's tokens back to back, and their counts.
 
         The layout (chunks, tokens, windows) is planned on the host and reaches the device in one
         copy; gathers and scatters then stand in for per-chunk slicing, so nothing waits on the GPU.
+        ``attend`` runs the attention stack over the packed windows (``self.attend`` unless given:
+        aligner.graphs replays it from a CUDA graph).
         """
         layout = EncoderLayout.plan(
-            frame_counts,
-            self.cfg.n_window * 2,
-            self.cfg.n_window_infer // (self.cfg.n_window * 2),
-            self.windowed,
-            self.steady_shapes,
+            frame_counts, self.chunk_frames, self.window_chunks, self.windowed, self.steady_shapes
         )
-        item, start, length, solo, source, target, sizes = upload(
+        item, start, length, solo, source, target, segments = upload(
             features.device,
             layout.chunk_item,
             layout.chunk_start,
@@ -306,7 +316,7 @@ class AudioEncoder(nn.Module):
             layout.chunk_solo,
             layout.token_source,
             layout.token_target,
-            layout.window_sizes,
+            layout.windows.segments,
         )
         offsets = torch.arange(layout.width, device=features.device)
         frames = (start[:, None] + offsets).clamp(max=features.shape[-1] - 1)
@@ -315,105 +325,20 @@ class AudioEncoder(nn.Module):
         embedded = self._embed_chunks(chunks, length, solo.bool(), bool(layout.chunk_solo.any()))
 
         dim = embedded.shape[-1]
-        windows = embedded.new_zeros(len(layout.window_sizes) * layout.window_length, dim)
-        windows.index_copy_(0, target, embedded.reshape(-1, dim)[source])
-        x = windows.view(len(layout.window_sizes), layout.window_length, dim)
-        valid = torch.arange(layout.window_length, device=x.device)[None, :] < sizes[:, None]
-        key_mask = valid[:, None, None, :]
+        shape = layout.windows.segments.shape
+        packed = embedded.new_zeros(layout.windows.segments.size, dim)
+        packed.index_copy_(0, target, embedded.reshape(-1, dim)[source])
+        x = (attend or self.attend)(packed.view(*shape, dim), segments.view(shape))
+        return x[target], layout.item_tokens
+
+    def attend(self, x: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """The attention layers and output projection over packed rows: (rows, length, d_model) ->
+        (rows · length, output_dim). A position attends within its own window only."""
+        mask = segments[:, None, :, None] == segments[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, mask)
         x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))
-        return x.reshape(-1, x.shape[-1])[target], layout.item_tokens
-
-
-@dataclass(frozen=True)
-class EncoderLayout:
-    """Where a batch's mel chunks, their tokens and the attention windows lie (host arrays).
-
-    Items are cut into chunks of ``chunk_frames``; each chunk gives ``encoder_output_length`` tokens;
-    an item's tokens, back to back, are cut into windows of ``ratio`` times its widest chunk's
-    tokens (or one window per item). Windows are padded to the longest.
-    """
-
-    width: int  # frames of the longest chunk: chunks are padded to it
-    chunk_item: np.ndarray
-    chunk_start: np.ndarray
-    chunk_length: np.ndarray
-    chunk_solo: np.ndarray  # the chunk is its item's only one
-    token_source: np.ndarray  # flat (chunk, token) index of every kept token, in item order
-    token_target: np.ndarray  # flat (window, position) index of the same token
-    window_sizes: np.ndarray
-    window_length: int
-    item_tokens: list[int]
-
-    @classmethod
-    def plan(
-        cls,
-        frame_counts: Sequence[int],
-        chunk_frames: int,
-        ratio: int,
-        windowed: bool,
-        steady_shapes: bool = False,
-    ) -> EncoderLayout:
-        per_item = [-(-frames // chunk_frames) for frames in frame_counts]
-        chunk_item = np.repeat(np.arange(len(frame_counts)), per_item)
-        first_chunk = np.cumsum([0, *per_item[:-1]])
-        chunk_index = np.arange(len(chunk_item)) - first_chunk[chunk_item]
-        chunk_start = chunk_index * chunk_frames
-        chunk_length = np.minimum(chunk_frames, np.asarray(frame_counts)[chunk_item] - chunk_start)
-        chunk_solo = (np.asarray(per_item) == 1)[chunk_item]
-        width = chunk_frames if steady_shapes else int(chunk_length.max())
-        slots = _conv_length(_conv_length(_conv_length(width)))
-        chunk_tokens = encoder_output_length(chunk_length)
-        first_token = np.cumsum(chunk_tokens) - chunk_tokens
-        token_chunk = np.repeat(np.arange(len(chunk_item)), chunk_tokens)
-        token_source = token_chunk * slots + np.arange(len(token_chunk)) - first_token[token_chunk]
-
-        item_tokens = np.bincount(chunk_item, weights=chunk_tokens, minlength=len(frame_counts)).astype(
-            np.int64
-        )
-        widest = np.zeros(len(frame_counts), np.int64)
-        np.maximum.at(widest, chunk_item, chunk_tokens)
-        span = widest * ratio if windowed else item_tokens
-        item_windows = -(-item_tokens // span)
-        first_window = np.cumsum(item_windows) - item_windows
-        token_item = chunk_item[token_chunk]
-        position = np.arange(len(token_chunk)) - np.repeat(np.cumsum(item_tokens) - item_tokens, item_tokens)
-        token_window = first_window[token_item] + position // span[token_item]
-        window_sizes = np.bincount(token_window, minlength=int(item_windows.sum()))
-        window_length = int(window_sizes.max())
-        token_target = token_window * window_length + position % span[token_item]
-        if steady_shapes:  # empty chunks after the real ones, masked like a lone short chunk
-            extra = chunk_bucket(len(chunk_item)) - len(chunk_item)
-            chunk_item, chunk_start, chunk_length = (
-                np.pad(a, (0, extra)) for a in (chunk_item, chunk_start, chunk_length)
-            )
-            chunk_solo = np.pad(chunk_solo, (0, extra), constant_values=True)
-        return cls(
-            width,
-            chunk_item,
-            chunk_start,
-            chunk_length,
-            chunk_solo,
-            token_source,
-            token_target,
-            window_sizes,
-            window_length,
-            item_tokens.tolist(),
-        )
-
-
-def chunk_bucket(count: int) -> int:
-    """Chunk counts the steady-shape encoder runs at: powers of two up to 256, then multiples of 256."""
-    return 1 << max(0, count - 1).bit_length() if count <= 256 else -(-count // 256) * 256
-
-
-def upload(device: torch.device, *arrays: np.ndarray) -> list[torch.Tensor]:
-    """Host integer arrays onto ``device`` as int64 in one copy (pinned and asynchronous on CUDA)."""
-    packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]))
-    if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    return list(torch.split(packed, [np.size(a) for a in arrays]))
+        return x.reshape(-1, x.shape[-1])
 
 
 # --------------------------------------------------------------------------- text decoder
@@ -470,7 +395,7 @@ class _TextLayer(nn.Module):
 
 
 class TextDecoder(nn.Module):
-    """Qwen3 decoder (QK-norm, GQA, RoPE) over left-padded rows; returns final-norm hidden states."""
+    """Qwen3 decoder (QK-norm, GQA, RoPE) over packed rows; returns final-norm hidden states."""
 
     def __init__(self, cfg: TextDecoderConfig) -> None:
         super().__init__()
@@ -485,21 +410,22 @@ class TextDecoder(nn.Module):
         inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, positions.device)
         return rope_cos_sin(inv_freq, positions, dtype)
 
-    def forward(self, embeds: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        positions = attention.long().cumsum(-1) - 1
-        positions = positions.masked_fill(attention == 0, 1)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """embeds (rows, length, hidden); every prompt attends causally within itself only, its
+        positions counted from its own start."""
         cos, sin = self.rope(positions, embeds.dtype)
-        length = embeds.shape[1]
-        index = torch.arange(length, device=embeds.device)
+        index = torch.arange(embeds.shape[1], device=embeds.device)
         causal = index[None, :] <= index[:, None]
-        mask = (causal[None] & attention.bool()[:, None, :]) | torch.eye(
-            length, dtype=torch.bool, device=embeds.device
-        )
+        mask = (segments[:, :, None] == segments[:, None, :]) & causal
         mask = mask[:, None]
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
+
+
+Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ForcedAlignerModel(nn.Module):
@@ -515,36 +441,46 @@ class ForcedAlignerModel(nn.Module):
 
     def slot_classes(
         self,
-        ids: torch.Tensor,
-        attention: torch.Tensor,
+        prompts: DecoderInputs,
         features: torch.Tensor,
         frame_counts: list[int],
-        audio_at: torch.Tensor | None = None,
-        slots_at: torch.Tensor | None = None,
+        attend: Attend | None = None,
+        decode: Decode | None = None,
     ) -> torch.Tensor:
-        """Argmax class of every ``<timestamp>`` slot, row-major over the batch.
+        """Argmax class of every ``<timestamp>`` slot, in the order of ``prompts.slots_at``.
 
-        ``audio_at`` / ``slots_at``: flat positions of the audio and timestamp tokens in ``ids`` when
-        the caller knows them (so finding them does not wait on the device)."""
+        ``attend`` and ``decode`` stand in for the encoder's attention stack and the decoder
+        (aligner.graphs replays them from CUDA graphs)."""
         with sdpa_kernel(ATTENTION_BACKENDS):
-            audio, _ = self.audio_tower.encode(features.to(self.lm_head.weight.dtype), frame_counts)
-            embeds = self.model.embed_tokens(ids)
+            audio, _ = self.audio_tower.encode(features.to(self.lm_head.weight.dtype), frame_counts, attend)
+            embeds = self.model.embed_tokens(prompts.ids)
             hidden_size = embeds.shape[-1]
-            if audio_at is None:
-                audio_slots = ids == self.cfg.audio_token_id
-                embeds = embeds.masked_scatter(audio_slots[..., None], audio.to(embeds.dtype))
-            else:
-                embeds = (
-                    embeds.view(-1, hidden_size)
-                    .index_copy(0, audio_at, audio.to(embeds.dtype))
-                    .view_as(embeds)
-                )
-            hidden = self.model(embeds, attention)
-        if slots_at is None:
-            slots = hidden[ids == self.cfg.timestamp_token_id]
-        else:
-            slots = hidden.reshape(-1, hidden_size)[slots_at]
-        return self.lm_head(slots).argmax(-1)
+            embeds = (
+                embeds.view(-1, hidden_size)
+                .index_copy(0, prompts.audio_at, audio.to(embeds.dtype))
+                .view_as(embeds)
+            )
+            hidden = (decode or self.model)(embeds, prompts.positions, prompts.segments)
+        return self.lm_head(hidden.reshape(-1, hidden_size)[prompts.slots_at]).argmax(-1)
+
+
+@dataclass(frozen=True)
+class DecoderInputs:
+    """A `DecoderLayout` on the device."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor
+    audio_at: torch.Tensor
+    slots_at: torch.Tensor
+
+    @classmethod
+    def upload(cls, layout: DecoderLayout, device: torch.device) -> DecoderInputs:
+        shape = layout.ids.shape
+        ids, positions, segments, audio_at, slots_at = upload(
+            device, layout.ids, layout.rows.offsets, layout.rows.segments, layout.audio_at, layout.slots_at
+        )
+        return cls(ids.view(shape), positions.view(shape), segments.view(shape), audio_at, slots_at)
 
 
 # --------------------------------------------------------------------------- post-processing
@@ -763,6 +699,7 @@ class Qwen3ForcedAligner:
         self.device = model.lm_head.weight.device
         self.mel = LogMel(self.device)
         model.audio_tower.steady_shapes = self.device.type == "cuda"
+        self.graphs = AlignerGraphs(model.audio_tower, model.model) if self.device.type == "cuda" else None
         # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
         # the engine's instead of queueing behind them, and each side's wait for its results
         # waits for its own work only. Above the engine's steps in priority: a call is a long
@@ -803,8 +740,12 @@ class Qwen3ForcedAligner:
     @torch.inference_mode()
     def warm_up(self, max_batch: int = 32, max_chunks: int = 1024) -> None:
         """Meet the kernels' first-use costs at start-up rather than in a caller's first batches:
-        batches of 1, 2, 4 … ``max_batch`` short clips (at 16 kHz and at a TTS engine's 24 kHz, so
-        resampling is ready too), then with steady shapes the convolutions at every chunk bucket."""
+        on CUDA the graphs are captured first; then batches of 1, 2, 4 … ``max_batch`` short clips
+        (at 16 kHz and at a TTS engine's 24 kHz, so resampling is ready too), then with steady
+        shapes the convolutions at every chunk bucket."""
+        if self.graphs is not None and not len(self.graphs):
+            with sdpa_kernel(ATTENTION_BACKENDS):
+                self.graphs.capture()
         size = 1
         while size <= max_batch:
             rates = [(SAMPLE_RATE, 24_000)[i % 2] for i in range(size)]
@@ -823,7 +764,7 @@ class Qwen3ForcedAligner:
         count = 1
         while count <= max_chunks:
             chunks = torch.zeros(
-                (count, self.cfg.audio.num_mel_bins, 2 * self.cfg.audio.n_window),
+                (count, self.cfg.audio.num_mel_bins, tower.chunk_frames),
                 device=self.device,
                 dtype=dtype,
             )
@@ -858,25 +799,22 @@ class Qwen3ForcedAligner:
     ) -> tuple[torch.Tensor, list[int]]:
         """Queue both model passes; return the slot classes (still on the device) and slots per item."""
         features, frame_counts = self.mel(waves)
-        rows = self.prompt_rows(words, [int(encoder_output_length(frames)) for frames in frame_counts])
-        width = max(len(row) for row in rows)
-        ids = np.zeros((len(rows), width), dtype=np.int64)
-        attention = np.zeros_like(ids)
-        for index, row in enumerate(rows):  # left padding, as the reference
-            ids[index, width - len(row) :] = row
-            attention[index, width - len(row) :] = 1
-        is_slot = ids == self.cfg.timestamp_token_id
-        ids_on, attention_on, audio_at, slots_at = upload(
-            self.device,
-            ids,
-            attention,
-            np.flatnonzero(ids == self.cfg.audio_token_id),
-            np.flatnonzero(is_slot),
+        prompts = self.prompt_rows(words, [int(encoder_output_length(frames)) for frames in frame_counts])
+        layout = DecoderLayout.plan(
+            prompts,
+            self.cfg.audio_token_id,
+            self.cfg.timestamp_token_id,
+            self.model.audio_tower.steady_shapes,
         )
+        graphs = self.graphs
         classes = self.model.slot_classes(
-            ids_on.view(ids.shape), attention_on.view(ids.shape), features, frame_counts, audio_at, slots_at
+            DecoderInputs.upload(layout, self.device),
+            features,
+            frame_counts,
+            graphs.attend if graphs else None,
+            graphs.decode if graphs else None,
         )
-        return classes, is_slot.sum(axis=1).tolist()
+        return classes, layout.slots
 
     def _slot_times(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
         flat = (classes.cpu().numpy() * self.cfg.slot_ms).tolist()  # the batch's one wait on the device
@@ -884,6 +822,12 @@ class Qwen3ForcedAligner:
         return repair_monotonic_rows(
             [flat[end - count : end] for count, end in zip(slots, ends, strict=True)]
         )
+
+    @_on_own_stream
+    @torch.inference_mode()
+    def slot_classes(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> list[int]:
+        """Every slot's class before repair, item after item."""
+        return self._launch(waves, words)[0].tolist()
 
     @_on_own_stream
     @torch.inference_mode()

@@ -3,9 +3,10 @@
 Random weights at the real sizes (24-layer AuT encoder, 28-layer Qwen3 decoder, 5000-class head),
 bf16, batches of 1, 8 and 32 clips of 24 kHz noise with ~2.6 words per second of text. Times cover
 the whole ``align`` call: resampling, log-mel, splitting, both model passes and post-processing. The
-aligner is warmed up as a server warms it, and each batch size once more before it is timed.
+aligner is warmed up as a server warms it (its CUDA graphs captured), and each batch size once more
+before it is timed. ``--eager`` times every batch without the graphs too, beside it.
 
-    python bench/gpu_aligner_bench.py [--seconds 10] [--batches 1,8,32] [--iters 5]
+    python bench/gpu_aligner_bench.py [--seconds 10] [--batches 1,8,32] [--iters 5] [--eager]
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--eager", action="store_true", help="also time every batch without CUDA graphs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -79,26 +81,31 @@ def main() -> None:
         f"{torch.cuda.get_device_name()} | {params:.0f} M params | {args.dtype} | clips of {args.seconds:g} s"
     )
     print(
-        f"{'batch':>5} {'words':>6} {'p50 ms':>8} {'min ms':>8} {'audio s/s':>10} {'RTF':>9} {'peak GiB':>9}"
+        f"{'batch':>5} {'graphs':>6} {'words':>6} {'p50 ms':>8} {'min ms':>8} {'audio s/s':>10} {'RTF':>9}"
+        f" {'peak GiB':>9}"
     )
+    graphs = aligner.graphs
     for size in (int(b) for b in args.batches.split(",")):
         batch = make_batch(size, args.seconds)
-        aligner.align(batch)  # warm-up: kernels, allocator
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        laps = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            words = aligner.align(batch)
+        for aligner.graphs in [graphs, None] if args.eager else [graphs]:
+            aligner.align(batch)  # warm-up: kernels, allocator
             torch.cuda.synchronize()
-            laps.append(time.perf_counter() - start)
-        median = statistics.median(laps)
-        audio_s = size * args.seconds
-        count = sum(len(w) for w in words)
-        print(
-            f"{size:>5} {count:>6} {median * 1e3:>8.1f} {min(laps) * 1e3:>8.1f} {audio_s / median:>10.0f}"
-            f" {median / audio_s:>9.5f} {torch.cuda.max_memory_allocated() / 2**30:>9.2f}"
-        )
+            torch.cuda.reset_peak_memory_stats()
+            laps = []
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                words = aligner.align(batch)
+                torch.cuda.synchronize()
+                laps.append(time.perf_counter() - start)
+            median = statistics.median(laps)
+            audio_s = size * args.seconds
+            count = sum(len(w) for w in words)
+            print(
+                f"{size:>5} {'on' if aligner.graphs else 'off':>6} {count:>6} {median * 1e3:>8.1f}"
+                f" {min(laps) * 1e3:>8.1f} {audio_s / median:>10.0f} {median / audio_s:>9.5f}"
+                f" {torch.cuda.max_memory_allocated() / 2**30:>9.2f}"
+            )
+        aligner.graphs = graphs
 
 
 if __name__ == "__main__":

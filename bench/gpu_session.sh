@@ -11,6 +11,7 @@
 #   bench/gpu_session.sh replace    # a killed engine worker: how soon its replacement serves
 #   bench/gpu_session.sh sweep      # the 1.7B sweep to twice the capacity (C=1,256,512,capacity,1.5x,2x)
 #   bench/gpu_session.sh aligner    # the sweep without the aligner, then with it (async, sync)
+#   bench/gpu_session.sh aligner-bench  # the aligner alone, with and without its CUDA graphs
 #   bench/gpu_session.sh small      # the 0.6B sweep
 #   bench/gpu_session.sh gpus       # two GPUs: bench/gpus.sh (the scaling ratio, one run)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
@@ -35,7 +36,8 @@ reference() {  # the reference's earlier result beside the sweep (SKIP_REF: not 
 }
 case "${1:-}" in
   tests)
-    run 560 gpu-tests $PY -m pytest tests/engine/qwen3/gpu -q -p no:cacheprovider
+    run 560 gpu-tests $PY -m pytest tests/engine/qwen3/gpu tests/engine/qwen3/codec/test_streaming_decode.py \
+      tests/engine/qwen3/parity/test_fp8.py tests/aligner/test_gpu.py -q -p no:cacheprovider
     ;;
   codec)
     run 150 codec-fused $PY bench/gpu_codec_bench.py --batches 1,8,16,32,64 --frames 1,2,4,8,16,25 --dtypes bf16 \
@@ -61,6 +63,10 @@ case "${1:-}" in
     checkpoint; reference 1.7b
     CONC="${CONC:-1,256,512,capacity,1.5x,2x}" POINT_SECONDS="${POINT_SECONDS:-10}" run 590 e2e bash bench/gpu_bench_e2e.sh
     ;;
+  aligner-bench)  # the aligner alone, with and without its CUDA graphs
+    run 200 aligner-bench $PY bench/gpu_aligner_bench.py --seconds 2.5 --batches 1,8,32,64 --eager
+    run 200 aligner-bench-10s $PY bench/gpu_aligner_bench.py --seconds 10 --batches 1,8,32,64 --eager
+    ;;
   aligner)
     checkpoint
     CONC="${CONC:-1,256,512}" ALIGNED_CONC="${ALIGNED_CONC:-1,256,512}" POINT_SECONDS="${POINT_SECONDS:-10}" \
@@ -76,6 +82,6 @@ case "${1:-}" in
     TAIL=20 run 590 gpus bash bench/gpus.sh "$CKPT" "$OUTDIR"
     ;;
   *)
-    sed -n '2,16p' "$0"; exit 2
+    sed -n '2,17p' "$0"; exit 2
     ;;
 esac

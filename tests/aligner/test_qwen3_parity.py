@@ -44,19 +44,7 @@ def reference_slot_classes(reference, batch) -> list[int]:
 
 def our_slot_classes(ours, batch) -> list[int]:
     waves = [to_model_audio(wave, rate) for wave, rate, _, _ in batch]
-    features, frames = ours.mel(waves)
-    rows = [
-        ours.prompt_ids(ours.splitter.words(text, lang), encoder_output_length(count))
-        for (_, _, text, lang), count in zip(batch, frames, strict=True)
-    ]
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for index, row in enumerate(rows):
-        ids[index, width - len(row) :] = torch.tensor(row)
-        attention[index, width - len(row) :] = 1
-    with torch.inference_mode():
-        return ours.model.slot_classes(ids, attention, features, frames).tolist()
+    return ours.slot_classes(waves, [ours.splitter.words(text, lang) for _, _, text, lang in batch])
 
 
 def test_features_and_prompt_ids_equal_the_reference(reference, ours):
