@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from aligner.layout import (
     upload,
 )
 from aligner.text import UnitSplitter, display_spans, load_korean_dictionary, locate_units
-from engine.alignment.api import AlignedWord, AlignInput
+from engine.alignment.api import AlignedWord, AlignInput, CallPhases
 from engine.qwen3.models.layers import RMSNorm
 from engine.qwen3.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from engine.qwen3.models.speaker import mel_filterbank
@@ -699,6 +700,7 @@ class Qwen3ForcedAligner:
         self.device = model.lm_head.weight.device
         self.mel = LogMel(self.device)
         model.audio_tower.steady_shapes = self.device.type == "cuda"
+        self.phases = CallPhases()
         self.graphs = AlignerGraphs(model.audio_tower, model.model) if self.device.type == "cuda" else None
         # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
         # the engine's instead of queueing behind them, and each side's wait for its results
@@ -817,7 +819,10 @@ class Qwen3ForcedAligner:
         return classes, layout.slots
 
     def _slot_times(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
-        flat = (classes.cpu().numpy() * self.cfg.slot_ms).tolist()  # the batch's one wait on the device
+        return self._repaired(classes.cpu(), slots)  # the batch's one wait on the device
+
+    def _repaired(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
+        flat = (classes.numpy() * self.cfg.slot_ms).tolist()
         ends = np.cumsum(slots).tolist()
         return repair_monotonic_rows(
             [flat[end - count : end] for count, end in zip(slots, ends, strict=True)]
@@ -840,6 +845,7 @@ class Qwen3ForcedAligner:
     def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
         if not batch:
             return []
+        began = time.perf_counter()
         waves = model_audio([(audio, rate) for audio, rate, _, _ in batch])
         for wave in waves:
             if len(wave) / SAMPLE_RATE > self.max_audio_s:
@@ -849,14 +855,17 @@ class Qwen3ForcedAligner:
             if len(wave) < HOP:
                 raise ValueError("aligner input is shorter than 10 ms")
         words = [self.splitter.words(text, language) for _, _, text, language in batch]
-        launched = self._launch(waves, words)
+        classes, slots = self._launch(waves, words)
         # While the device works: where every unit lies in the client's text.
         spans = [
             display_spans(text, locate_units(text, units))
             for (_, _, text, _), units in zip(batch, words, strict=True)
         ]
-        times = self._slot_times(*launched)
-        return [
+        waited = time.perf_counter()
+        classes = classes.cpu()
+        read = time.perf_counter()
+        times = self._repaired(classes, slots)
+        aligned = [
             [
                 AlignedWord(
                     text=text[start:end],
@@ -869,3 +878,5 @@ class Qwen3ForcedAligner:
             ]
             for (_, _, text, _), item_spans, slot_ms in zip(batch, spans, times, strict=True)
         ]
+        self.phases.add(waited - began, read - waited, time.perf_counter() - read)
+        return aligned

@@ -487,6 +487,10 @@ _MEAN_FIGURES = (
     "aligner_stream_rate",
     "aligner_backlog_s",
     "aligner_sync_added_ttfa_ms_",
+    "aligner_call_ms_",
+    "aligner_prepare_ms",
+    "aligner_wait_ms",
+    "aligner_finish_ms",
 )
 
 

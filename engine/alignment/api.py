@@ -30,6 +30,23 @@ class AlignedWord:
     char_end: int
 
 
+@dataclass(slots=True)
+class CallPhases:
+    """Where an aligner's calls went, summed: the host's work up to its wait on the device (the
+    device's work launched meanwhile), the wait for the result, and the host's work after it."""
+
+    calls: int = 0
+    prepare_s: float = 0.0
+    wait_s: float = 0.0
+    finish_s: float = 0.0
+
+    def add(self, prepare_s: float, wait_s: float, finish_s: float) -> None:
+        self.calls += 1
+        self.prepare_s += prepare_s
+        self.wait_s += wait_s
+        self.finish_s += finish_s
+
+
 @runtime_checkable
 class Aligner(Protocol):
     """Forced alignment of known text to audio, batched: one word list per input, in order."""

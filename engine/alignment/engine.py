@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.admission import Admission, Ticket, in_series
-from engine.alignment.api import Aligner
+from engine.alignment.api import Aligner, CallPhases
 from engine.alignment.capacity import MAX_BATCH, AlignerCapacity
 from engine.alignment.track import ALIGNMENT_MODES, AlignJob, AlignmentMode, AlignmentTracker
 from engine.alignment.worker import AlignerWorker
@@ -405,6 +405,17 @@ class AlignedEngine:
         self._promote()  # the cost measured, or the backlog drained, may admit more now
 
     # -- load ---------------------------------------------------------------------------------------
+    def _call_figures(self) -> dict[str, float]:
+        """What a call costs by its jobs (the admission's curve), and where its time goes."""
+        figures = {
+            f"aligner_call_ms_{jobs}": 1e3 * (self.cost.calls.predict(jobs) or 0.0) for jobs in (1, 8, 32)
+        }
+        phases = getattr(self.worker.aligner, "phases", None)
+        if isinstance(phases, CallPhases) and phases.calls:
+            for name in ("prepare", "wait", "finish"):
+                figures[f"aligner_{name}_ms"] = 1e3 * getattr(phases, f"{name}_s") / phases.calls
+        return figures
+
     def load(self) -> EngineLoad:
         load = self.inner.load()
         extra = dict(load.extra)
@@ -437,6 +448,7 @@ class AlignedEngine:
                     "aligner_backlog_s": backlog,
                 }
             )
+            extra.update(self._call_figures())
             capacity = min(capacity, aligner.capacity + off)  # what a new aligned stream finds
             both = aligner if figures is None else in_series(aligner, figures)
             figures = dataclasses.replace(both, capacity=capacity)

@@ -2,9 +2,12 @@
 
 The worker sleeps on a condition until jobs are queued, then takes every queued job (sync-mode jobs
 first, up to `max_batch`) as one batch, so concurrent utterances share aligner passes without any
-polling. An idle worker starts on a job the moment it is queued (no batching window); jobs that
-arrive during a call form the next batch. Each call's cost goes to `on_batch` (engine.alignment.engine
-measures the aligner's share for admission from it)."""
+polling. Jobs that arrive during a call form the next batch. An idle worker starts on an urgent
+(sync-mode) job the moment it is queued; other jobs wait until the oldest has waited `gather_s`
+(or a full batch is queued), so that under load a call holds many jobs: most of a call's cost is
+fixed, and more jobs per call is more audio aligned per second. Async words may trail their audio
+(within the stage's 300 ms aim), so they take the wait. Each call's cost goes to `on_batch`
+(engine.alignment.engine measures the aligner's throughput for admission from it)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class AlignerStats:
 
 
 BatchDone = Callable[[float, float, int], None]  # (busy s, audio s, jobs)
+GATHER_S = 0.1  # the longest a job without urgency waits for others to share its call
 
 
 class AlignerWorker:
@@ -42,15 +46,21 @@ class AlignerWorker:
     (on this thread)."""
 
     def __init__(
-        self, aligner: Aligner, max_batch: int = MAX_BATCH, on_batch: BatchDone | None = None
+        self,
+        aligner: Aligner,
+        max_batch: int = MAX_BATCH,
+        on_batch: BatchDone | None = None,
+        gather_s: float = GATHER_S,
     ) -> None:
         self.aligner = aligner
         self.max_batch = max_batch
         self.on_batch = on_batch
+        self.gather_s = gather_s
         self.stats = AlignerStats()
         self._cond = threading.Condition()
         self._urgent: deque[tuple[AlignJob, JobDone]] = deque()
         self._later: deque[tuple[AlignJob, JobDone]] = deque()
+        self._later_since: deque[float] = deque()  # when each of `_later` was queued
         self._queued_audio_s = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -76,7 +86,11 @@ class AlignerWorker:
 
     def submit(self, job: AlignJob, done: JobDone) -> None:
         with self._cond:
-            (self._urgent if job.urgent else self._later).append((job, done))
+            if job.urgent:
+                self._urgent.append((job, done))
+            else:
+                self._later.append((job, done))
+                self._later_since.append(time.monotonic())
             self._queued_audio_s += job.audio_s
             self._cond.notify()
 
@@ -93,13 +107,23 @@ class AlignerWorker:
 
     def _take_batch(self) -> list[tuple[AlignJob, JobDone]] | None:
         with self._cond:
-            while not (self._urgent or self._later) and not self._stopping:
-                self._cond.wait()
+            while not self._stopping:
+                if self._urgent or len(self._later) >= self.max_batch:
+                    break
+                if self._later:
+                    wait = self._later_since[0] + self.gather_s - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
             if self._stopping:
                 return None
             batch: list[tuple[AlignJob, JobDone]] = []
             for queue in (self._urgent, self._later):
                 while queue and len(batch) < self.max_batch:
+                    if queue is self._later:
+                        self._later_since.popleft()
                     item = queue.popleft()
                     self._queued_audio_s -= item[0].audio_s
                     if not item[0].cancelled:

@@ -255,3 +255,37 @@ def test_the_worker_counts_its_backlog_and_reports_each_call() -> None:
     assert worker.queued_audio_s == 0.0
     assert [(audio, jobs) for _, audio, jobs in calls] == [(1.0, 1), (1.5, 1)]
     assert worker.stats.stream_audio_s == pytest.approx(1.5)
+
+
+def test_jobs_without_urgency_wait_to_share_a_call_and_an_urgent_one_goes_at_once() -> None:
+    calls: list[tuple[float, float, int]] = []
+    worker = AlignerWorker(SpreadAligner(), on_batch=lambda *call: calls.append(call), gather_s=0.3)
+
+    def job(urgent: bool = False) -> AlignJob:
+        samples = np.zeros(1000, np.float32)
+        return AlignJob("r", 0, samples, 1000, "one two", "English", (), 0, len(samples), (), urgent=urgent)
+
+    def wait_for(count: int) -> None:
+        for _ in range(500):
+            if len(calls) >= count:
+                return
+            time.sleep(0.005)
+
+    worker.start()
+    try:
+        began = time.monotonic()
+        for _ in range(3):
+            worker.submit(job(), lambda *_: None)
+            time.sleep(0.02)
+        wait_for(1)
+        gathered_after = time.monotonic() - began
+        assert [jobs for *_, jobs in calls] == [3]  # one call for all three
+        assert gathered_after >= 0.3
+        began = time.monotonic()
+        worker.submit(job(), lambda *_: None)
+        worker.submit(job(urgent=True), lambda *_: None)  # takes the waiting one along
+        wait_for(2)
+        assert time.monotonic() - began < 0.25
+        assert [jobs for *_, jobs in calls] == [3, 2]
+    finally:
+        worker.stop()

@@ -50,8 +50,14 @@ async def test_tone_engine_english_and_mandarin_words_come_from_the_aligner(alig
         results = dict(
             zip(streams, await asyncio.gather(*(collect(s) for s in streams.values())), strict=True)
         )
+        extra = engine.load().extra
     finally:
         await engine.stop()
+    # where the real aligner's calls go, and what the admission's curve says a call costs
+    assert (
+        extra["aligner_prepare_ms"] > 0 and extra["aligner_wait_ms"] >= 0 and extra["aligner_finish_ms"] > 0
+    )
+    assert extra["aligner_call_ms_1"] > 0
     for lang, chunks in results.items():
         text = "".join(CASES[lang])
         words = [w for c in chunks for w in c.words]
