@@ -1,7 +1,7 @@
 """Summarise a py-spy raw record (`py-spy record --format raw`) of the server, thread by thread.
 
 Each engine worker thread is named by the first frame that identifies it (the step loop, the
-worker's event loop, its reader and writer threads); the gateway process is one entry. For each
+worker's event loop, its reader and writer threads, the aligner); the gateway process is one entry. For each
 thread: its samples (py-spy leaves out idle ones: a thread waiting for the GIL or a lock counts
 nowhere) and the frames holding the most of them, inclusive.
 
@@ -20,6 +20,7 @@ THREAD_FRAMES = (
     "_WorkerLoop._write_engine_batches",
     "_WorkerLoop._read",
     "BaseEventLoop.run_forever",
+    "AlignerWorker._serve",
 )
 
 
