@@ -6,7 +6,8 @@ the interpreter. So the encoder's attention stack and the decoder are captured o
 shape (aligner.layout: the row-count buckets, encoder rows one full window long, decoder rows of
 128, 256 or 512 tokens) and replayed; the few kernels around them (log-mel, the convolutions, the
 gathers, the head) stay eager. A shape past the largest captured runs eagerly on the same packed
-rows, so a call's result does not depend on whether a graph replayed it.
+rows, so a call's result does not depend on whether a graph replayed it. The decoder's graph holds
+the head too: it runs over every position, so no call meets a GEMM of a new shape.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ DECODER_TOKENS = 64 * 256  # rows x length; 64 prompts of 256 tokens
 
 
 class AlignerGraphs:
-    """The audio encoder's `attend` and the text decoder's forward (aligner.qwen3), replayed from
-    graphs over static buffers."""
+    """The audio encoder's `attend` and the model's `position_classes` (the decoder and its head,
+    aligner.qwen3), replayed from graphs over static buffers."""
 
-    def __init__(self, tower: nn.Module, decoder: nn.Module, enabled: bool = True) -> None:
-        weight = decoder.norm.weight
+    def __init__(self, tower: nn.Module, model: nn.Module, enabled: bool = True) -> None:
+        weight = model.lm_head.weight
         device, dtype = weight.device, weight.dtype
-        audio, text = tower.cfg, decoder.cfg
+        audio, text = tower.cfg, model.cfg.text
         self._tower = tower
-        self._decoder = decoder
+        self._classify = model.position_classes
         self.window = tower.full_window
         self._attend_bank = GraphBank(device, enabled)
         self._decode_bank = GraphBank(device, enabled)
@@ -43,7 +44,7 @@ class AlignerGraphs:
         self._embeds = torch.zeros(DECODER_TOKENS, text.hidden, device=device, dtype=dtype)
         self._positions = torch.zeros(DECODER_TOKENS, device=device, dtype=torch.long)
         self._segments = torch.zeros(DECODER_TOKENS, device=device, dtype=torch.long)
-        self._hidden = torch.zeros(DECODER_TOKENS, text.hidden, device=device, dtype=dtype)
+        self._classes = torch.zeros(DECODER_TOKENS, device=device, dtype=torch.long)
         self.replays = 0
 
     @property
@@ -85,14 +86,14 @@ class AlignerGraphs:
         rows, width = segments.shape
         graph = self._decode_bank.graphs.get((rows, width))
         if graph is None:
-            return self._decoder(embeds, positions, segments)
+            return self._classify(embeds, positions, segments)
         tokens = rows * width
         self._embeds[:tokens].copy_(embeds.reshape(tokens, -1))
         self._positions[:tokens].copy_(positions.reshape(-1))
         self._segments[:tokens].copy_(segments.reshape(-1))
         graph.replay()
         self.replays += 1
-        return self._hidden[:tokens].view(rows, width, -1)
+        return self._classes[:tokens].view(rows, width)
 
     def _attend_static(self, rows: int) -> None:
         tokens = rows * self.window
@@ -105,9 +106,9 @@ class AlignerGraphs:
     def _decode_static(self, rows: int, width: int) -> None:
         tokens = rows * width
         shape = (rows, width)
-        out = self._decoder(
+        out = self._classify(
             self._embeds[:tokens].view(*shape, -1),
             self._positions[:tokens].view(shape),
             self._segments[:tokens].view(shape),
         )
-        self._hidden[:tokens].copy_(out.reshape(tokens, -1))
+        self._classes[:tokens].copy_(out.reshape(tokens))

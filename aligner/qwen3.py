@@ -156,10 +156,16 @@ class AlignerConfig:
 
 
 class LogMel:
-    """Whisper-style 128-bin log-mel at 16 kHz (10 ms hop), batched like the reference extractor."""
+    """Whisper-style 128-bin log-mel at 16 kHz (10 ms hop), batched like the reference extractor.
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    ``steady=True`` (on CUDA) pads the batch's signal on to a whole second: the STFT and the
+    filterbank's product then meet few shapes, and each new one costs a cuFFT plan and a GEMM
+    heuristic. The extra frames are silence, below every item's peak, and past every item's end.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", steady: bool = False) -> None:
         self.device = torch.device(device)
+        self.steady = steady
         # Slaney-normalised triangular filters up to the Nyquist rate, as Whisper's
         filters = mel_filterbank(SAMPLE_RATE, N_FFT, N_MELS, 0.0, SAMPLE_RATE / 2)  # [mels, freqs]
         self.filters = torch.from_numpy(np.ascontiguousarray(filters.T)).to(self.device, torch.float32)
@@ -169,12 +175,15 @@ class LogMel:
         """Return features (batch, 128, frames) and each item's valid frame count.
 
         The batch is zero-padded to its longest item before the STFT; valid frames are
-        ``ceil(len / 160)`` except where that reaches past the padded total, as the reference does.
+        ``ceil(len / 160)`` except where that reaches past the longest item's whole frames, as the
+        reference does.
         """
         longest = max(len(w) for w in waveforms)
-        padded = torch.zeros((len(waveforms), longest), pin_memory=self.device.type == "cuda")
+        width = -(-longest // SAMPLE_RATE) * SAMPLE_RATE if self.steady else longest
+        padded = torch.zeros((len(waveforms), width), pin_memory=self.device.type == "cuda")
+        rows = padded.numpy()
         for row, wave in enumerate(waveforms):
-            padded[row, : len(wave)] = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
+            rows[row, : len(wave)] = wave
         signal = padded.to(self.device, non_blocking=True)
         spectrum = torch.stft(signal, N_FFT, HOP, window=self.window, return_complex=True)
         power = spectrum[..., :-1].abs() ** 2
@@ -450,8 +459,8 @@ class ForcedAlignerModel(nn.Module):
     ) -> torch.Tensor:
         """Argmax class of every ``<timestamp>`` slot, in the order of ``prompts.slots_at``.
 
-        ``attend`` and ``decode`` stand in for the encoder's attention stack and the decoder
-        (aligner.graphs replays them from CUDA graphs)."""
+        ``attend`` and ``decode`` stand in for the encoder's attention stack and
+        `position_classes` (aligner.graphs replays them from CUDA graphs)."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             audio, _ = self.audio_tower.encode(features.to(self.lm_head.weight.dtype), frame_counts, attend)
             embeds = self.model.embed_tokens(prompts.ids)
@@ -461,8 +470,15 @@ class ForcedAlignerModel(nn.Module):
                 .index_copy(0, prompts.audio_at, audio.to(embeds.dtype))
                 .view_as(embeds)
             )
-            hidden = (decode or self.model)(embeds, prompts.positions, prompts.segments)
-        return self.lm_head(hidden.reshape(-1, hidden_size)[prompts.slots_at]).argmax(-1)
+            classes = (decode or self.position_classes)(embeds, prompts.positions, prompts.segments)
+        return classes.reshape(-1)[prompts.slots_at]
+
+    def position_classes(
+        self, embeds: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder and the head: the argmax class at every position of the packed rows. The
+        head runs over every position, not just the slots, so its shape is the rows' (few)."""
+        return self.lm_head(self.model(embeds, positions, segments)).argmax(-1)
 
 
 @dataclass(frozen=True)
@@ -698,10 +714,10 @@ class Qwen3ForcedAligner:
         self.tokenizer = tokenizer
         self.splitter = splitter or UnitSplitter()
         self.device = model.lm_head.weight.device
-        self.mel = LogMel(self.device)
+        self.mel = LogMel(self.device, steady=self.device.type == "cuda")
         model.audio_tower.steady_shapes = self.device.type == "cuda"
         self.phases = CallPhases()
-        self.graphs = AlignerGraphs(model.audio_tower, model.model) if self.device.type == "cuda" else None
+        self.graphs = AlignerGraphs(model.audio_tower, model) if self.device.type == "cuda" else None
         # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
         # the engine's instead of queueing behind them, and each side's wait for its results
         # waits for its own work only. Above the engine's steps in priority: a call is a long

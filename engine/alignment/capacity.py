@@ -9,7 +9,10 @@ it aligns in a second at its largest batch. Two things are measured as it runs:
   mostly fixed, so a batch of 32 takes far less than 32 of one), and the audio a job holds;
 - the audio each aligned stream makes per second (per window of the worker's calls, against the
   aligned streams admitted meanwhile; sync probes count, since they are aligned again; at least
-  real time: a stream still waiting for its first audio will speak).
+  real time: a stream still waiting for its first audio will speak). Only windows with at least
+  half the most streams measured count: with few streams the engine makes each one's audio many
+  times faster than under load, and a rate measured while load drains away would hold admission
+  far below what the aligner keeps up with once load returns.
 
 Its throughput is predicted at the largest batch the curve reaches (out to `max_batch`), and
 capacity reaches at most twice the aligned streams measured so far (at least `initial_streams`),
@@ -37,6 +40,7 @@ HEADROOM = 0.7  # the aligned streams' audio per second, as a share of what the 
 BACKLOG_LIMIT_S = 1.0  # aligner seconds of queued work beyond which no new aligned stream starts
 WINDOW_S = 0.5  # the worker's calls folded into one measurement of the streams' rate at least this long
 INITIAL_STREAMS = 64  # admitted before anything is measured
+LOADED_SHARE = 0.5  # a window measures the streams' rate with at least this share of the most streams
 MAX_BATCH = 64  # the worker's largest batch
 
 
@@ -83,8 +87,10 @@ class AlignerCapacity:
         self._audio_s += audio_s
         span = self._since - self._window_at
         if span >= self.window_s and self._stream_s > 0:
-            self.rate = _mean(self.rate, max(1.0, self._audio_s / self._stream_s), 0.2)
-            self.most_streams = max(self.most_streams, self._stream_s / span)
+            streams = self._stream_s / span
+            self.most_streams = max(self.most_streams, streams)
+            if streams >= LOADED_SHARE * self.most_streams:
+                self.rate = _mean(self.rate, max(1.0, self._audio_s / self._stream_s), 0.2)
             self._window_at = self._since
             self._stream_s = self._audio_s = 0.0
 

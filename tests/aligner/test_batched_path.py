@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aligner.qwen3 import (
+    LogMel,
     Qwen3ForcedAligner,
     chunk_bucket,
     encoder_output_length,
@@ -125,3 +126,16 @@ def test_warm_up_runs_with_and_without_steady_shapes(aligner):
         aligner.warm_up(max_batch=2, max_chunks=8)
     finally:
         tower.steady_shapes = False
+
+
+def test_steady_log_mel_pads_to_whole_seconds_and_keeps_every_items_frames():
+    waves = model_audio([(audio, rate) for audio, rate, _, _ in BATCH])
+    exact, frames = LogMel()(waves)
+    steady, steady_frames = LogMel(steady=True)(waves)
+    assert steady_frames == frames
+    assert steady.shape[-1] == 10 * 16000 // 160 > exact.shape[-1]  # 9.3 s padded on to 10 s
+    longest = max(range(len(waves)), key=lambda i: len(waves[i]))
+    for item, count in enumerate(frames):
+        # the longest item's last frames saw reflected audio, now silence
+        keep = count - 2 if item == longest else count
+        torch.testing.assert_close(steady[item, :, :keep], exact[item, :, :keep], rtol=0, atol=1e-5)

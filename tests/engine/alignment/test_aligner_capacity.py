@@ -81,3 +81,18 @@ def test_nonsense_calls_are_ignored() -> None:
     cost.batch(0.1, 1.0, 0)
     cost.batch(-1.0, 1.0, 1)
     assert cost.throughput() is None and cost.calls.samples == 0
+
+
+def test_a_rate_measured_while_load_drains_does_not_lower_the_capacity() -> None:
+    clock = Clock()
+    cost = AlignerCapacity(headroom=0.7, window_s=1.0, initial_streams=64, max_batch=32, clock=clock)
+    for _ in range(30):  # 100 streams at twice real time
+        window(clock, cost, 100, [(0.1, 100.0, 20), (0.1, 100.0, 20)])
+    loaded = cost.capacity(1000)
+    assert cost.rate == pytest.approx(2.0, rel=1e-2)
+    for _ in range(10):  # 20 streams left, made at ten times real time by an engine now idle
+        window(clock, cost, 20, [(0.1, 100.0, 20), (0.1, 100.0, 20)])
+    assert cost.rate == pytest.approx(2.0, rel=1e-2) and cost.capacity(1000) == loaded
+    for _ in range(30):  # 60 streams: half the most or more, so their rate counts again
+        window(clock, cost, 60, [(0.1, 150.0, 20), (0.1, 150.0, 20)])
+    assert cost.rate == pytest.approx(5.0, rel=2e-2)
