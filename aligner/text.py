@@ -10,6 +10,7 @@ an offset.
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def split_korean(text: str, scores: Mapping[str, float] | None) -> list[str]:
 # --------------------------------------------------------------------------- offsets
 
 
+@functools.lru_cache(maxsize=8192)  # one character at a time: a text's alphabet is small
 def _fold(ch: str) -> str:
     """Compatibility-decomposed, combining marks and dropped characters removed.
 
