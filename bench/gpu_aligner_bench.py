@@ -18,13 +18,8 @@ import time
 import numpy as np
 import torch
 
-from aligner.qwen3 import (
-    AlignerConfig,
-    AudioEncoderConfig,
-    ForcedAlignerModel,
-    Qwen3ForcedAligner,
-    TextDecoderConfig,
-)
+from aligner.model import AlignerConfig, AudioEncoderConfig, ForcedAlignerModel, TextDecoderConfig
+from aligner.qwen3 import Qwen3ForcedAligner
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright voices sing along together".split()
 

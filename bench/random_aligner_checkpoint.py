@@ -28,7 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aligner.qwen3 import QWEN2_SPLIT, AlignerConfig, ForcedAlignerModel  # noqa: E402
+from aligner.model import AlignerConfig, ForcedAlignerModel  # noqa: E402
+from aligner.qwen3 import QWEN2_SPLIT  # noqa: E402
 
 SPECIAL_IDS = {  # Qwen2 / Qwen3-ASR special tokens the aligner's prompt uses (real ids)
     "<|endoftext|>": 151643,

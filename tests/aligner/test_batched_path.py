@@ -8,16 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from aligner.qwen3 import (
-    LogMel,
-    Qwen3ForcedAligner,
-    chunk_bucket,
-    encoder_output_length,
-    model_audio,
-    repair_monotonic,
-    repair_monotonic_rows,
-    to_model_audio,
-)
+from aligner.layout import chunk_bucket, encoder_output_length
+from aligner.model import LogMel
+from aligner.qwen3 import Qwen3ForcedAligner, model_audio, to_model_audio
+from aligner.repair import repair_monotonic, repair_monotonic_rows
 from tests.aligner.conftest import noise
 from tests.engine.alignment.tiny_aligner import tiny_aligner
 

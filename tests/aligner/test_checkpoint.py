@@ -11,14 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from aligner.api import AlignedWord, Aligner
-from aligner.qwen3 import (
-    AlignerConfig,
-    ForcedAlignerModel,
-    Qwen3ForcedAligner,
-    check_checkpoint,
-    encoder_output_length,
-    repair_monotonic,
-)
+from aligner.layout import encoder_output_length
+from aligner.model import AlignerConfig, ForcedAlignerModel
+from aligner.qwen3 import Qwen3ForcedAligner, check_checkpoint
+from aligner.repair import repair_monotonic
 from tests.aligner.conftest import noise
 
 TINY_CONFIG = {

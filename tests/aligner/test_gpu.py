@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from aligner.qwen3 import ATTENTION_BACKENDS, Qwen3ForcedAligner, model_audio
+from aligner.model import ATTENTION_BACKENDS
+from aligner.qwen3 import Qwen3ForcedAligner, model_audio
 from bench.gpu_aligner_bench import build_aligner, make_batch
 from tests.aligner.conftest import noise
 from tests.aligner.test_checkpoint import write_checkpoint

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from aligner.qwen3 import encoder_output_length, to_model_audio
+from aligner.layout import encoder_output_length
+from aligner.qwen3 import to_model_audio
 from tests.aligner.conftest import noise
 
 pytestmark = pytest.mark.reference

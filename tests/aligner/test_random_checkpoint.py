@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from aligner.api import Aligner
-from aligner.qwen3 import (
-    AlignerConfig,
-    AudioEncoderConfig,
-    Qwen3ForcedAligner,
-    TextDecoderConfig,
-    check_checkpoint,
-    load_word_tokenizer,
-)
+from aligner.model import AlignerConfig, AudioEncoderConfig, TextDecoderConfig
+from aligner.qwen3 import Qwen3ForcedAligner, check_checkpoint, load_word_tokenizer
 from bench.random_aligner_checkpoint import SPECIAL_IDS, build_model, model_config, write_tokenizer_config
 from tests.aligner.conftest import noise
 

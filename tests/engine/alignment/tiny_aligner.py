@@ -7,14 +7,8 @@ from pathlib import Path
 
 import torch
 
-from aligner.qwen3 import (
-    AlignerConfig,
-    AudioEncoderConfig,
-    ForcedAlignerModel,
-    Qwen3ForcedAligner,
-    TextDecoderConfig,
-    load_word_tokenizer,
-)
+from aligner.model import AlignerConfig, AudioEncoderConfig, ForcedAlignerModel, TextDecoderConfig
+from aligner.qwen3 import Qwen3ForcedAligner, load_word_tokenizer
 from tests.aligner.tiny_checkpoint import _train_tokenizer
 
 
