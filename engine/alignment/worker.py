@@ -5,8 +5,8 @@ first, up to `max_batch`) as one batch, so concurrent utterances share aligner p
 polling. Jobs that arrive during a call form the next batch. An idle worker starts on an urgent
 (sync-mode) job the moment it is queued; other jobs wait until the oldest has waited `gather_s`
 (or a full batch is queued), so that under load a call holds many jobs: most of a call's cost is
-fixed, and more jobs per call is more audio aligned per second. Async words may trail their audio
-(within the stage's 300 ms aim), so they take the wait. Each call's cost goes to `on_batch`
+fixed, and more jobs per call is more audio aligned per second. Async words may trail their audio,
+so they take the wait; sync audio waits for its words, so its jobs do not. Each call's cost goes to `on_batch`
 (engine.alignment.engine measures the aligner's throughput for admission from it)."""
 
 from __future__ import annotations
