@@ -43,7 +43,7 @@ async def listen_forever(
                     log.exception("%s: a message could not be handled", name)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
             raise
         except Exception as exc:
             if not is_outage(exc):
@@ -53,5 +53,5 @@ async def listen_forever(
                 log.warning("%s subscription lost (%s); subscribing again when the store answers", name, exc)
             store.trip(exc)
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
             await asyncio.sleep(store.probe_s)  # a store that answers PING but refuses SUBSCRIBE
