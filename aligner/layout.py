@@ -66,6 +66,7 @@ class PackedRows:
 
     length: int
     starts: np.ndarray  # flat (row, position) index of every piece's first position
+    placed: np.ndarray  # flat index of every piece's every position, piece after piece
     segments: np.ndarray  # (rows, length): the piece at every position, PAD where none
     offsets: np.ndarray  # (rows, length): every position's place within its piece, 0 where none
 
@@ -90,7 +91,7 @@ class PackedRows:
         segments[flat] = np.repeat(np.arange(len(sizes)), counts)
         offsets = np.zeros(rows * length, np.int64)
         offsets[flat] = within
-        return cls(length, starts, segments.reshape(rows, length), offsets.reshape(rows, length))
+        return cls(length, starts, flat, segments.reshape(rows, length), offsets.reshape(rows, length))
 
     @property
     def rows(self) -> int:
@@ -155,7 +156,6 @@ class EncoderLayout:
         full_window = encoder_output_length(chunk_frames) * ratio
         length = full_window if steady_shapes and windowed else int(window_sizes.max())
         windows = PackedRows.pack(window_sizes.tolist(), length, steady_shapes)
-        token_target = windows.starts[token_window] + position % span[token_item]
         if steady_shapes:  # empty chunks after the real ones, masked like a lone short chunk
             extra = chunk_bucket(len(chunk_item)) - len(chunk_item)
             chunk_item, chunk_start, chunk_length = (
@@ -169,7 +169,7 @@ class EncoderLayout:
             chunk_length,
             chunk_solo,
             token_source,
-            token_target,
+            windows.placed,  # tokens in item order are the windows' positions, window after window
             windows,
             item_tokens.tolist(),
         )
@@ -195,16 +195,15 @@ class DecoderLayout:
             decoder_width(longest) if steady_shapes else longest,
             steady_shapes,
         )
+        tokens = np.concatenate([np.asarray(prompt, np.int64) for prompt in prompts])
         ids = np.zeros(rows.segments.size, np.int64)
-        flat = np.concatenate(
-            [start + np.arange(len(prompt)) for start, prompt in zip(rows.starts, prompts, strict=True)]
-        )
-        ids[flat] = np.concatenate([np.asarray(prompt, np.int64) for prompt in prompts])
-        in_order = ids[flat]
+        ids[rows.placed] = tokens
+        is_slot = tokens == slot_token
+        owner = np.repeat(np.arange(len(prompts)), [len(prompt) for prompt in prompts])
         return cls(
             ids.reshape(rows.segments.shape),
             rows,
-            flat[in_order == audio_token],
-            flat[in_order == slot_token],
-            [int(np.count_nonzero(np.asarray(prompt) == slot_token)) for prompt in prompts],
+            rows.placed[tokens == audio_token],
+            rows.placed[is_slot],
+            np.bincount(owner[is_slot], minlength=len(prompts)).tolist(),
         )

@@ -184,18 +184,17 @@ class Qwen3ForcedAligner:
         self.tokenizer = tokenizer
         self.splitter = splitter or UnitSplitter()
         self.device = model.lm_head.weight.device
-        self.mel = LogMel(self.device, steady=self.device.type == "cuda")
-        model.audio_tower.steady_shapes = self.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"
+        self.mel = LogMel(self.device, steady=on_cuda)
+        model.audio_tower.steady_shapes = on_cuda
         self.phases = CallPhases()
-        self.graphs = AlignerGraphs(model.audio_tower, model) if self.device.type == "cuda" else None
+        self.graphs = AlignerGraphs(model.audio_tower, model) if on_cuda else None
         # Its own stream: beside a TTS engine on the same GPU, the aligner's kernels run between
         # the engine's instead of queueing behind them, and each side's wait for its results
         # waits for its own work only. Above the engine's steps in priority: a call is a long
         # chain of small kernels, each of which would otherwise wait for the engine's larger ones,
         # while its own GPU time is small.
-        self.stream = (
-            torch.cuda.Stream(self.device, priority=STREAM_PRIORITY) if self.device.type == "cuda" else None
-        )
+        self.stream = torch.cuda.Stream(self.device, priority=STREAM_PRIORITY) if on_cuda else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights are in
 
@@ -304,9 +303,6 @@ class Qwen3ForcedAligner:
         )
         return classes, layout.slots
 
-    def _slot_times(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
-        return self._repaired(classes.cpu(), slots)  # the batch's one wait on the device
-
     def _repaired(self, classes: torch.Tensor, slots: list[int]) -> list[list[int]]:
         flat = (classes.numpy() * self.cfg.slot_ms).tolist()
         ends = np.cumsum(slots).tolist()
@@ -324,7 +320,8 @@ class Qwen3ForcedAligner:
     @torch.inference_mode()
     def slot_times_ms(self, waves: Sequence[np.ndarray], words: Sequence[Sequence[str]]) -> list[list[int]]:
         """Repaired slot times in ms for 16 kHz waves and their unit lists (two slots per unit)."""
-        return self._slot_times(*self._launch(waves, words))
+        classes, slots = self._launch(waves, words)
+        return self._repaired(classes.cpu(), slots)  # the batch's one wait on the device
 
     @_on_own_stream
     @torch.inference_mode()
