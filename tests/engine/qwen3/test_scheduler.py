@@ -314,6 +314,26 @@ def test_an_idle_engine_does_not_count_as_a_slow_step():
     assert sched.step_time_s == pytest.approx(0.03, rel=0.01)
 
 
+def test_a_stream_waiting_for_its_text_does_not_count_as_a_slow_step():
+    # its segment spoken, the text still open: plans come up empty and the loop sleeps until the
+    # client's next text, so the plan after each sleep must not measure the sleep as a step
+    clock = FakeClock()
+    sched = create_scheduler(clock=clock)
+    (r,) = create_requests(1, prompt_len=4, max_frames=6, closed=False)
+    sched.add_request(r)
+    empty = 0
+    for _ in range(40):
+        plan = sched.schedule()
+        if plan.is_empty:
+            empty += 1
+            clock.t += 0.5
+            continue
+        clock.t += 0.01
+        sched.update(plan, fake_output(plan))
+    assert empty > 20
+    assert [cost for _, cost in sched.capacity.curve.curve()] == [pytest.approx(0.01)]
+
+
 def test_first_chunks_go_before_later_ones():
     clock = FakeClock()
     sched = create_scheduler(clock=clock, max_codec_rows=1)
