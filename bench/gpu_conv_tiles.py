@@ -112,15 +112,21 @@ def record(model: Any, rows: int, frames: int) -> list[Call]:
     return list(calls.values())
 
 
-def candidates(call: Call, quick: bool) -> list[Tiles]:
+def candidates(call: Call, quick: bool, layouts: str) -> list[Tiles]:
+    """The chosen tiles, and row-major and/or channel-major ones (`layouts`: rows, channels, both)."""
     c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     widest = max(16, fused_conv._next_pow2(c_out))
     block_ns = [n for n in (32, 64, 128) if n <= max(32, widest)]
     block_ks = [k for k in (32, 64) if k <= max(32, fused_conv._next_pow2(c_in))]
     stages = (3,) if quick else (2, 3, 4)
     out = {call.chosen}
-    for m, n, k, w, s in itertools.product((64, 128), block_ns, block_ks, (4, 8), stages):
-        out.add(Tiles(m, n, k, w, s))
+    if layouts in ("rows", "both"):
+        for m, n, k, w, s in itertools.product((64, 128), block_ns, block_ks, (4, 8), stages):
+            out.add(Tiles(m, n, k, w, s))
+    if layouts in ("channels", "both"):  # channels per program: the tensor cores' 64 or 128
+        block_cs = [c for c in (64, 128) if c <= max(64, widest)]
+        for c, r, k, w, s in itertools.product(block_cs, (64, 128, 256), block_ks, (4, 8), stages):
+            out.add(Tiles(c, r, k, w, s, channel_major=True))
     return sorted(out)
 
 
@@ -144,10 +150,10 @@ def graph_ms(fn: Callable[[], Any], replays: int) -> float:
     return start.elapsed_time(end) / (3 * replays)
 
 
-def time_tilings(call: Call, quick: bool, replays: int) -> None:
+def time_tilings(call: Call, quick: bool, replays: int, layouts: str) -> None:
     chosen = fused_conv.tiling
     expected = call.launch().float()
-    for tiles in candidates(call, quick):
+    for tiles in candidates(call, quick, layouts):
         fused_conv.tiling = lambda *_shape, t=tiles: t  # type: ignore[assignment]
         try:
             got = call.launch().float()
@@ -177,7 +183,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
     print(f"\n== bucket {bucket}: {sum(c.count for c in calls)} fused convolutions a step")
     print(
         f"{'rows':>7} {'c_in':>5} {'c_out':>5} {'taps':>4} {'dil':>3} {'n':>2} epilogue    "
-        f"{'chosen':>8} {'best':>8} {'cuDNN':>8}  best tiles (m, n, k, warps, stages)"
+        f"{'chosen':>8} {'best':>8} {'cuDNN':>8}  best tiles (m, n, k, warps, stages, channel-major)"
     )
     for call in sorted(calls, key=lambda c: -c.count * min(c.times.values(), default=0.0)):
         chosen = call.chosen
@@ -236,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", default="64x4,64x25,8x1", help="rows x frames, comma-separated")
     parser.add_argument("--replays", type=int, default=20, help="launches per CUDA graph")
     parser.add_argument("--quick", action="store_true", help="pipelining depth 3 only")
+    parser.add_argument(
+        "--layouts",
+        choices=("rows", "channels", "both"),
+        default="both",
+        help="output tiles row-major (rows x channels), channel-major, or both",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop timing new layers after this")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - started > args.budget_s:
                 print("  time budget spent: the remaining layers are not timed")
                 break
-            time_tilings(call, args.quick, args.replays)
+            time_tilings(call, args.quick, args.replays, args.layouts)
             time_cudnn(call, args.replays)
         results.append(report(f"{rows}x{frames}", calls))
     if args.json is not None:
