@@ -343,6 +343,7 @@ def _launch(
     past: tuple[Tensor, Tensor] | None,
     then_snake: tuple[Tensor, Tensor] | None,
     keep: bool,
+    tiles: Tiles | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     x = x.contiguous()
     b, t_x, c_in = x.shape
@@ -358,7 +359,7 @@ def _launch(
         pool, slots = past
         assert pool.shape[1:] == (context, c_in) and pool.is_contiguous(), "history pool mismatch"
         assert slots.shape == (b,), "one slot per batch row"
-    tiles = tiling(rows, c_in, c_out, taps)
+    tiles = tiles or tiling(rows, c_in, c_out, taps)
     alpha, inv_beta = snake if snake is not None else (x, x)
     alpha2, inv_beta2 = then_snake if then_snake is not None else (x, x)
     if residual is not None:
@@ -481,6 +482,23 @@ def _compare(device: torch.device) -> None:
         raise ValueError(
             f"the in-place context differs from torch's conv1d by {(got - expected).abs().max().item():.3g}"
         )
+    # the next layer's activation from the same kernel, the output kept and not, in both layouts
+    x, w = torch.randn(2, 20, 32, generator=gen), torch.randn(48, 32, 3, generator=gen) / 10
+    alpha, inv_beta = torch.rand(48, generator=gen) + 0.5, torch.rand(48, generator=gen) + 0.5
+    plain = F.conv1d(x.transpose(1, 2), w).transpose(1, 2)
+    expected = plain + inv_beta * torch.sin(plain * alpha) ** 2
+    xd, wd = x.to(device, torch.bfloat16), pack(w.to(device, torch.bfloat16))
+    for channel_major in (False, True):
+        tiles = Tiles(64, 32, 32, 4, 3, channel_major) if channel_major else None
+        for keep in (True, False):
+            kept, act = _launch(
+                xd, wd, 3, 1, None, None, None, 0, None, (alpha.to(device), inv_beta.to(device)), keep, tiles
+            )
+            got = act.float().cpu()
+            if (kept is not None) != keep or not torch.allclose(got, expected, rtol=3e-2, atol=3e-2):
+                raise ValueError(
+                    f"the activation after the conv differs by {(got - expected).abs().max().item():.3g}"
+                )
     x = torch.randn(2, 11, 64, generator=gen)
     w = torch.randn(64, 32, 8, generator=gen) / 16
     expected = F.conv_transpose1d(x.transpose(1, 2), w, stride=4).transpose(1, 2)[:, 4 : 4 + 40]

@@ -638,6 +638,17 @@ def fused_transposed_conv() -> str:
 
 
 @check
+def fused_conv_guard() -> str:
+    """The module's own start-up comparison (what switches the kernel off on a device where it
+    differs), run here on the CPU: both layouts, the activation from the epilogue, the context read
+    in place, a transposed conv."""
+    from engine.qwen3.models import fused_conv as fc
+
+    fc._compare(torch.device("cpu"))
+    return "within 3e-2 of torch's convolutions"
+
+
+@check
 def fused_conv_codec() -> str:
     """A tiny Code2Wav streamed chunk by chunk through the fused convolutions (packing, histories,
     the fused residual units) equals its offline decode through torch's convolutions."""
