@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import run_record, write_json  # noqa: E402
 from bench.gpu_codec_bench import build, random_codes  # noqa: E402
-from engine.qwen3.models import fused_conv  # noqa: E402
+from engine.qwen3.models import fused_conv, fused_snake  # noqa: E402
 from engine.qwen3.models.fused_conv import Tiles  # noqa: E402
 
 
@@ -46,28 +46,54 @@ class Call:
     bias: Tensor | None
     snake: tuple[Tensor, Tensor] | None
     residual: Tensor | None
+    context: int
+    past: tuple[Tensor, Tensor] | None
+    then_snake: tuple[Tensor, Tensor] | None
+    keep: bool
     transposed: bool
     count: int = 1
     times: dict[Tiles, float] = field(default_factory=dict)  # ms per launch
     cudnn_ms: float | None = None
+    split_ms: float | None = None  # without the activation in the epilogue, then a SnakeBeta pass
 
     @property
     def key(self) -> tuple[Any, ...]:
         flags = (self.bias is not None, self.snake is not None, self.residual is not None)
-        return (tuple(self.x.shape), tuple(self.weight.shape), self.taps, self.dilation, flags)
+        flags += (self.past is not None, self.then_snake is not None, self.keep)
+        return (tuple(self.x.shape), tuple(self.weight.shape), self.taps, self.dilation, self.context, flags)
 
     @property
     def rows(self) -> int:
-        return self.x.shape[0] * (self.x.shape[1] - (self.taps - 1) * self.dilation)
+        return self.x.shape[0] * (self.context + self.x.shape[1] - (self.taps - 1) * self.dilation)
 
     @property
     def chosen(self) -> Tiles:
         return fused_conv.tiling(self.rows, self.x.shape[-1], self.weight.shape[1], self.taps)
 
-    def launch(self) -> Tensor:
-        return fused_conv.conv(
-            self.x, self.weight, self.taps, self.dilation, self.bias, self.snake, self.residual
+    def launch(self, tiles: Tiles | None = None, then_snake: bool = True) -> Tensor:
+        """The call as the step made it (or without its activation); the output, else the activation."""
+        out, act = fused_conv._launch(
+            self.x,
+            self.weight,
+            self.taps,
+            self.dilation,
+            self.bias,
+            self.snake,
+            self.residual,
+            self.context,
+            self.past,
+            self.then_snake if then_snake else None,
+            self.keep or not then_snake,
+            tiles,
         )
+        result = act if act is not None else out
+        assert result is not None
+        return result
+
+    def split(self) -> Tensor:
+        """The convolution with its output stored, then its activation in a pass of its own."""
+        assert self.then_snake is not None
+        return fused_snake.snake(self.launch(then_snake=False), *self.then_snake)
 
 
 def _transposed_weights(model: Any) -> set[int]:
@@ -89,26 +115,40 @@ def record(model: Any, rows: int, frames: int) -> list[Call]:
         model.decode_step(slots, random_codes(rows, frames, seed=2))  # packs the weights, compiles
     transposed = _transposed_weights(model)
     calls: dict[tuple[Any, ...], Call] = {}
-    real = fused_conv.conv
+    real = fused_conv._launch
 
-    def recorder(x, weight, taps, dilation=1, bias=None, snake=None, residual=None):  # type: ignore[no-untyped-def]
+    def recorder(
+        x, weight, taps, dilation, bias, snake, residual, context, past, then_snake, keep, tiles=None
+    ):  # type: ignore[no-untyped-def]
         kept = None if residual is None else residual.detach().clone()
+        history = None if past is None else (past[0].detach().clone(), past[1].clone())
         call = Call(
-            x.detach().clone(), weight, taps, dilation, bias, snake, kept, weight.data_ptr() in transposed
+            x.detach().clone(),
+            weight,
+            taps,
+            dilation,
+            bias,
+            snake,
+            kept,
+            context,
+            history,
+            then_snake,
+            keep,
+            weight.data_ptr() in transposed,
         )
         if call.key in calls:
             calls[call.key].count += 1
         else:
             calls[call.key] = call
-        return real(x, weight, taps, dilation, bias, snake, residual)
+        return real(x, weight, taps, dilation, bias, snake, residual, context, past, then_snake, keep, tiles)
 
-    fused_conv.conv = recorder  # type: ignore[assignment]
+    fused_conv._launch = recorder  # type: ignore[assignment]
     try:
         with torch.no_grad():
             model.decode_step(slots, random_codes(rows, frames, seed=3))
         torch.cuda.synchronize()
     finally:
-        fused_conv.conv = real  # type: ignore[assignment]
+        fused_conv._launch = real  # type: ignore[assignment]
     return list(calls.values())
 
 
@@ -151,24 +191,22 @@ def graph_ms(fn: Callable[[], Any], replays: int) -> float:
 
 
 def time_tilings(call: Call, quick: bool, replays: int, layouts: str) -> None:
-    chosen = fused_conv.tiling
     expected = call.launch().float()
     for tiles in candidates(call, quick, layouts):
-        fused_conv.tiling = lambda *_shape, t=tiles: t  # type: ignore[assignment]
         try:
-            got = call.launch().float()
+            got = call.launch(tiles).float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
                 raise ValueError("differs from the chosen tiling's output")
-            call.times[tiles] = graph_ms(call.launch, replays)
+            call.times[tiles] = graph_ms(lambda t=tiles: call.launch(t), replays)
         except Exception as exc:  # a tiling that does not compile or fit the shared memory
             print(f"  skipped {tuple(tiles)}: {type(exc).__name__}: {str(exc)[:80]}")
-        finally:
-            fused_conv.tiling = chosen  # type: ignore[assignment]
+    if call.then_snake is not None:
+        call.split_ms = graph_ms(call.split, replays)
 
 
 def time_cudnn(call: Call, replays: int) -> None:
     """The same plain convolution (bias only) through cuDNN, autotuned, channels-last."""
-    if call.transposed:
+    if call.transposed or call.context:
         return
     c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     w4 = call.weight.reshape(call.taps, c_in, c_out).permute(2, 1, 0).contiguous().unsqueeze(2)
@@ -183,7 +221,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
     print(f"\n== bucket {bucket}: {sum(c.count for c in calls)} fused convolutions a step")
     print(
         f"{'rows':>7} {'c_in':>5} {'c_out':>5} {'taps':>4} {'dil':>3} {'n':>2} epilogue    "
-        f"{'chosen':>8} {'best':>8} {'cuDNN':>8}  best tiles (m, n, k, warps, stages, channel-major)"
+        f"{'chosen':>8} {'best':>8} {'cuDNN':>8} {'split':>8}  best tiles (m, n, k, warps, stages, channel-major)"
     )
     for call in sorted(calls, key=lambda c: -c.count * min(c.times.values(), default=0.0)):
         chosen = call.chosen
@@ -196,15 +234,17 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
                 ("bias", call.bias is not None),
                 ("snake", call.snake is not None),
                 ("res", call.residual is not None),
+                ("then" if call.keep else "then-only", call.then_snake is not None),
                 ("T", call.transposed),
             )
             if on
         )
         rows = call.rows
         cudnn = f"{call.cudnn_ms:8.4f}" if call.cudnn_ms is not None else f"{'-':>8}"
+        split = f"{call.split_ms:8.4f}" if call.split_ms is not None else f"{'-':>8}"
         print(
             f"{rows:7d} {call.x.shape[-1]:5d} {call.weight.shape[1]:5d} {call.taps:4d} {call.dilation:3d} "
-            f"{call.count:2d} {epilogue:11s} {call.times[chosen]:8.4f} {call.times[best]:8.4f} {cudnn}  "
+            f"{call.count:2d} {epilogue:16s} {call.times[chosen]:8.4f} {call.times[best]:8.4f} {cudnn} {split}  "
             f"{tuple(best)}"
         )
         totals["chosen_ms"] += call.count * call.times[chosen]
@@ -226,6 +266,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
                 "best": list(best),
                 "best_ms": call.times[best],
                 "cudnn_ms": call.cudnn_ms,
+                "split_ms": call.split_ms,
                 "every_ms": {"x".join(map(str, t)): round(ms, 5) for t, ms in sorted(call.times.items())},
             }
         )
@@ -249,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         help="output tiles row-major (rows x channels), channel-major, or both",
     )
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop timing new layers after this")
+    parser.add_argument("--no-cudnn", action="store_true", help="time no layer through cuDNN")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not fused_conv.check(torch.device("cuda")):
@@ -264,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("  time budget spent: the remaining layers are not timed")
                 break
             time_tilings(call, args.quick, args.replays, args.layouts)
-            time_cudnn(call, args.replays)
+            if not args.no_cudnn:
+                time_cudnn(call, args.replays)
         results.append(report(f"{rows}x{frames}", calls))
     if args.json is not None:
         write_json(args.json, {**run_record(argv), "buckets": results})
