@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import run_record, write_json  # noqa: E402
 from bench.gpu_codec_bench import build, random_codes  # noqa: E402
-from engine.qwen3.models import fused_conv, fused_snake  # noqa: E402
+from engine.qwen3.models import fused_conv  # noqa: E402
 from engine.qwen3.models.fused_conv import Tiles  # noqa: E402
 
 
@@ -48,18 +48,19 @@ class Call:
     residual: Tensor | None
     context: int
     past: tuple[Tensor, Tensor] | None
-    then_snake: tuple[Tensor, Tensor] | None
-    keep: bool
     transposed: bool
     count: int = 1
     times: dict[Tiles, float] = field(default_factory=dict)  # ms per launch
     cudnn_ms: float | None = None
-    split_ms: float | None = None  # without the activation in the epilogue, then a SnakeBeta pass
 
     @property
     def key(self) -> tuple[Any, ...]:
-        flags = (self.bias is not None, self.snake is not None, self.residual is not None)
-        flags += (self.past is not None, self.then_snake is not None, self.keep)
+        flags = (
+            self.bias is not None,
+            self.snake is not None,
+            self.residual is not None,
+            self.past is not None,
+        )
         return (tuple(self.x.shape), tuple(self.weight.shape), self.taps, self.dilation, self.context, flags)
 
     @property
@@ -70,9 +71,8 @@ class Call:
     def chosen(self) -> Tiles:
         return fused_conv.tiling(self.rows, self.x.shape[-1], self.weight.shape[1], self.taps)
 
-    def launch(self, tiles: Tiles | None = None, then_snake: bool = True) -> Tensor:
-        """The call as the step made it (or without its activation); the output, else the activation."""
-        out, act = fused_conv._launch(
+    def launch(self) -> Tensor:
+        return fused_conv.conv(
             self.x,
             self.weight,
             self.taps,
@@ -80,20 +80,9 @@ class Call:
             self.bias,
             self.snake,
             self.residual,
-            self.context,
-            self.past,
-            self.then_snake if then_snake else None,
-            self.keep or not then_snake,
-            tiles,
+            context=self.context,
+            past=self.past,
         )
-        result = act if act is not None else out
-        assert result is not None
-        return result
-
-    def split(self) -> Tensor:
-        """The convolution with its output stored, then its activation in a pass of its own."""
-        assert self.then_snake is not None
-        return fused_snake.snake(self.launch(then_snake=False), *self.then_snake)
 
 
 def _transposed_weights(model: Any) -> set[int]:
@@ -115,11 +104,9 @@ def record(model: Any, rows: int, frames: int) -> list[Call]:
         model.decode_step(slots, random_codes(rows, frames, seed=2))  # packs the weights, compiles
     transposed = _transposed_weights(model)
     calls: dict[tuple[Any, ...], Call] = {}
-    real = fused_conv._launch
+    real = fused_conv.conv
 
-    def recorder(
-        x, weight, taps, dilation, bias, snake, residual, context, past, then_snake, keep, tiles=None
-    ):  # type: ignore[no-untyped-def]
+    def recorder(x, weight, taps, dilation=1, bias=None, snake=None, residual=None, context=0, past=None):  # type: ignore[no-untyped-def]
         kept = None if residual is None else residual.detach().clone()
         history = None if past is None else (past[0].detach().clone(), past[1].clone())
         call = Call(
@@ -132,41 +119,33 @@ def record(model: Any, rows: int, frames: int) -> list[Call]:
             kept,
             context,
             history,
-            then_snake,
-            keep,
             weight.data_ptr() in transposed,
         )
         if call.key in calls:
             calls[call.key].count += 1
         else:
             calls[call.key] = call
-        return real(x, weight, taps, dilation, bias, snake, residual, context, past, then_snake, keep, tiles)
+        return real(x, weight, taps, dilation, bias, snake, residual, context, past)
 
-    fused_conv._launch = recorder  # type: ignore[assignment]
+    fused_conv.conv = recorder  # type: ignore[assignment]
     try:
         with torch.no_grad():
             model.decode_step(slots, random_codes(rows, frames, seed=3))
         torch.cuda.synchronize()
     finally:
-        fused_conv._launch = real  # type: ignore[assignment]
+        fused_conv.conv = real  # type: ignore[assignment]
     return list(calls.values())
 
 
-def candidates(call: Call, quick: bool, layouts: str) -> list[Tiles]:
-    """The chosen tiles, and row-major and/or channel-major ones (`layouts`: rows, channels, both)."""
+def candidates(call: Call, quick: bool) -> list[Tiles]:
     c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     widest = max(16, fused_conv._next_pow2(c_out))
     block_ns = [n for n in (32, 64, 128) if n <= max(32, widest)]
     block_ks = [k for k in (32, 64) if k <= max(32, fused_conv._next_pow2(c_in))]
     stages = (3,) if quick else (2, 3, 4)
     out = {call.chosen}
-    if layouts in ("rows", "both"):
-        for m, n, k, w, s in itertools.product((64, 128), block_ns, block_ks, (4, 8), stages):
-            out.add(Tiles(m, n, k, w, s))
-    if layouts in ("channels", "both"):  # channels per program: the tensor cores' 64 or 128
-        block_cs = [c for c in (64, 128) if c <= max(64, widest)]
-        for c, r, k, w, s in itertools.product(block_cs, (64, 128, 256), block_ks, (4, 8), stages):
-            out.add(Tiles(c, r, k, w, s, channel_major=True))
+    for m, n, k, w, s in itertools.product((64, 128), block_ns, block_ks, (4, 8), stages):
+        out.add(Tiles(m, n, k, w, s))
     return sorted(out)
 
 
@@ -190,27 +169,35 @@ def graph_ms(fn: Callable[[], Any], replays: int) -> float:
     return start.elapsed_time(end) / (3 * replays)
 
 
-def time_tilings(call: Call, quick: bool, replays: int, layouts: str) -> None:
+def time_tilings(call: Call, quick: bool, replays: int) -> None:
+    chosen = fused_conv.tiling
     expected = call.launch().float()
-    for tiles in candidates(call, quick, layouts):
+    for tiles in candidates(call, quick):
+        fused_conv.tiling = lambda *_shape, t=tiles: t  # type: ignore[assignment]
         try:
-            got = call.launch(tiles).float()
+            got = call.launch().float()
             if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
                 raise ValueError("differs from the chosen tiling's output")
-            call.times[tiles] = graph_ms(lambda t=tiles: call.launch(t), replays)
+            call.times[tiles] = graph_ms(call.launch, replays)
         except Exception as exc:  # a tiling that does not compile or fit the shared memory
             print(f"  skipped {tuple(tiles)}: {type(exc).__name__}: {str(exc)[:80]}")
-    if call.then_snake is not None:
-        call.split_ms = graph_ms(call.split, replays)
+        finally:
+            fused_conv.tiling = chosen  # type: ignore[assignment]
 
 
 def time_cudnn(call: Call, replays: int) -> None:
-    """The same plain convolution (bias only) through cuDNN, autotuned, channels-last."""
-    if call.transposed or call.context:
+    """The same plain convolution (bias only) through cuDNN, autotuned, channels-last, over the
+    input with its left context already in front (cuDNN cannot read it in place)."""
+    if call.transposed:
         return
     c_in, c_out = call.x.shape[-1], call.weight.shape[1]
     w4 = call.weight.reshape(call.taps, c_in, c_out).permute(2, 1, 0).contiguous().unsqueeze(2)
-    x4 = call.x.transpose(1, 2).unsqueeze(2)
+    if call.past is not None:
+        pool, slots = call.past
+        joined = torch.cat([pool.index_select(0, slots), call.x], dim=1)
+    else:
+        joined = F.pad(call.x, (0, 0, call.context, 0))
+    x4 = joined.transpose(1, 2).unsqueeze(2)
     torch.backends.cudnn.benchmark = True
     call.cudnn_ms = graph_ms(lambda: F.conv2d(x4, w4, call.bias, dilation=(1, call.dilation)), replays)
 
@@ -221,7 +208,7 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
     print(f"\n== bucket {bucket}: {sum(c.count for c in calls)} fused convolutions a step")
     print(
         f"{'rows':>7} {'c_in':>5} {'c_out':>5} {'taps':>4} {'dil':>3} {'n':>2} epilogue    "
-        f"{'chosen':>8} {'best':>8} {'cuDNN':>8} {'split':>8}  best tiles (m, n, k, warps, stages, channel-major)"
+        f"{'chosen':>8} {'best':>8} {'cuDNN':>8}  best tiles (m, n, k, warps, stages)"
     )
     for call in sorted(calls, key=lambda c: -c.count * min(c.times.values(), default=0.0)):
         chosen = call.chosen
@@ -234,17 +221,15 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
                 ("bias", call.bias is not None),
                 ("snake", call.snake is not None),
                 ("res", call.residual is not None),
-                ("then" if call.keep else "then-only", call.then_snake is not None),
                 ("T", call.transposed),
             )
             if on
         )
         rows = call.rows
         cudnn = f"{call.cudnn_ms:8.4f}" if call.cudnn_ms is not None else f"{'-':>8}"
-        split = f"{call.split_ms:8.4f}" if call.split_ms is not None else f"{'-':>8}"
         print(
             f"{rows:7d} {call.x.shape[-1]:5d} {call.weight.shape[1]:5d} {call.taps:4d} {call.dilation:3d} "
-            f"{call.count:2d} {epilogue:16s} {call.times[chosen]:8.4f} {call.times[best]:8.4f} {cudnn} {split}  "
+            f"{call.count:2d} {epilogue:11s} {call.times[chosen]:8.4f} {call.times[best]:8.4f} {cudnn}  "
             f"{tuple(best)}"
         )
         totals["chosen_ms"] += call.count * call.times[chosen]
@@ -266,7 +251,6 @@ def report(bucket: str, calls: list[Call]) -> dict[str, Any]:
                 "best": list(best),
                 "best_ms": call.times[best],
                 "cudnn_ms": call.cudnn_ms,
-                "split_ms": call.split_ms,
                 "every_ms": {"x".join(map(str, t)): round(ms, 5) for t, ms in sorted(call.times.items())},
             }
         )
@@ -283,14 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buckets", default="64x4,64x25,8x1", help="rows x frames, comma-separated")
     parser.add_argument("--replays", type=int, default=20, help="launches per CUDA graph")
     parser.add_argument("--quick", action="store_true", help="pipelining depth 3 only")
-    parser.add_argument(
-        "--layouts",
-        choices=("rows", "channels", "both"),
-        default="both",
-        help="output tiles row-major (rows x channels), channel-major, or both",
-    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop timing new layers after this")
     parser.add_argument("--no-cudnn", action="store_true", help="time no layer through cuDNN")
+    parser.add_argument("--inputs", default="", help="only the layers of these input channel counts")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if not fused_conv.check(torch.device("cuda")):
@@ -301,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     started, results = time.monotonic(), []
     for rows, frames in buckets:
         calls = record(model, rows, frames)
-        for call in calls:
+        if args.inputs:
+            wanted = {int(c) for c in args.inputs.split(",")}
+            calls = [c for c in calls if c.x.shape[-1] in wanted]
+        for call in sorted(calls, key=lambda c: -c.rows * c.taps * c.x.shape[-1] * c.weight.shape[1]):
             if time.monotonic() - started > args.budget_s:
                 print("  time budget spent: the remaining layers are not timed")
                 break
-            time_tilings(call, args.quick, args.replays, args.layouts)
+            time_tilings(call, args.quick, args.replays)
             if not args.no_cudnn:
                 time_cudnn(call, args.replays)
         results.append(report(f"{rows}x{frames}", calls))

@@ -200,34 +200,6 @@ class CausalConv(_Streamable):
         self._refresh(x, slots)
         return out
 
-    def fused_then(
-        self,
-        x: Tensor,
-        slots: Tensor | None,
-        then: SnakeBeta,
-        snake: SnakeBeta | None = None,
-        residual: Tensor | None = None,
-        keep: bool = True,
-    ) -> tuple[Tensor | None, Tensor]:
-        """`fused`, and the next layer's activation `then` of its output from the same kernel:
-        (the output, or None without `keep`, and the activation)."""
-        weight, bias = self._packed.get(self.conv.weight, self.conv.bias)
-        out, act = fused_conv.conv_then_snake(
-            x,
-            weight,
-            self.conv.kernel_size[0],
-            then.fp32_params(),
-            self.conv.dilation[0],
-            bias,
-            snake=None if snake is None else snake.fp32_params(),
-            residual=residual,
-            context=self.history,
-            past=self._past(slots),
-            keep=keep,
-        )
-        self._refresh(x, slots)
-        return out, act
-
 
 class CausalTransConv(_Streamable):
     """Transposed conv whose output is trimmed on the right: sample n depends on inputs <= n/stride."""
@@ -260,23 +232,6 @@ class CausalTransConv(_Streamable):
         self._refresh(x, slots)
         return y.view(y.shape[0], n_new, -1)
 
-    def fused_then(self, x: Tensor, slots: Tensor | None, then: SnakeBeta) -> tuple[Tensor, Tensor]:
-        """`fused`, and the next layer's activation `then` of its output from the same kernel."""
-        n_new = x.shape[1] * self.stride
-        weight, bias = self._packed.get(self.conv.weight, self.conv.bias, self.stride)
-        out, act = fused_conv.conv_then_snake(
-            x,
-            weight,
-            self.history + 1,
-            then.fp32_params(self.stride),  # output column p * C_out + n is channel n
-            bias=bias,
-            context=self.history,
-            past=self._past(slots),
-        )
-        self._refresh(x, slots)
-        assert out is not None
-        return out.view(out.shape[0], n_new, -1), act.view(act.shape[0], n_new, -1)
-
     def forward(self, x: Tensor, slots: Tensor | None = None) -> Tensor:
         n_new = x.shape[1] * self.stride
         if self.fusable(x):
@@ -295,7 +250,6 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
         self._derived: tuple[tuple[Any, ...], Tensor, Tensor, Tensor, Tensor] | None = None
-        self._repeated: tuple[tuple[int, int], Tensor, Tensor] | None = None
 
     def _params(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """e^alpha and 1 / e^beta, in the weights' dtype and in fp32 (the fused kernel's), computed
@@ -317,16 +271,9 @@ class SnakeBeta(nn.Module):
                 )
         return self._derived[1:]
 
-    def fp32_params(self, repeats: int = 1) -> tuple[Tensor, Tensor]:
-        """e^alpha and 1 / e^beta in fp32, as the fused kernels take them; `repeats` times over for
-        a kernel whose output columns run over the channels that many times (kept with the rest)."""
-        alpha, inv_beta = self._params()[2:]
-        if repeats == 1:
-            return alpha, inv_beta
-        key = (alpha.data_ptr(), repeats)
-        if self._repeated is None or self._repeated[0] != key:
-            self._repeated = (key, alpha.repeat(repeats), inv_beta.repeat(repeats))
-        return self._repeated[1:]
+    def fp32_params(self) -> tuple[Tensor, Tensor]:
+        """e^alpha and 1 / e^beta in fp32, as the fused kernels take them."""
+        return self._params()[2:]
 
     def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [..., C]. bias: the previous conv's, added to x here (one pass over the tensor, not two)."""
@@ -371,14 +318,6 @@ class ResidualUnit(nn.Module):
         if fused_snake.available(y):
             return fused_snake.residual(x, y, self.conv2.conv.bias)
         return x + (y + self.conv2.conv.bias)
-
-    def fused_then(
-        self, x: Tensor, act: Tensor, slots: Tensor | None, then: SnakeBeta, keep: bool
-    ) -> tuple[Tensor | None, Tensor]:
-        """The unit over x whose first activation `act` an earlier kernel made, and `then` of its
-        output: (the output, or None without `keep`, and that activation)."""
-        h = self.conv1.fused(act, slots, snake=self.act2)
-        return self.conv2.fused_then(h, None, then, residual=x, keep=keep)
 
 
 class DecoderBlock(nn.Module):
@@ -638,31 +577,9 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             trans_conv, convnext = cast(nn.ModuleList, stage)
             h = convnext(trans_conv(h, slots), slots)
-        if fused_conv.available(h):
-            h = self._decoder_fused(h, slots)
-        else:
-            for layer in self.decoder:
-                h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
+        for layer in self.decoder:
+            h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, slots)
         return h.clamp(-1.0, 1.0).squeeze(-1)
-
-    def _decoder_fused(self, h: Tensor, slots: Tensor | None) -> Tensor:
-        """The decoder with every SnakeBeta made in the epilogue of the convolution before it: a
-        tensor that only feeds an activation is never stored, and one that is also a residual
-        is stored beside its activation, so no activation reads a tensor back in a pass of its own."""
-        first, *blocks, final_act, final_conv = self.decoder
-        starts = [cast(DecoderBlock, b).block[0] for b in blocks] + [final_act]
-        _, act = cast(CausalConv, first).fused_then(h, slots, cast(SnakeBeta, starts[0]), keep=False)
-        for block, after in zip(blocks, starts[1:], strict=True):
-            trans, *units = cast(DecoderBlock, block).block[1:]
-            unit_list = [cast(ResidualUnit, u) for u in units]
-            x: Tensor | None
-            x, act = cast(CausalTransConv, trans).fused_then(act, slots, unit_list[0].act1)
-            for k, unit in enumerate(unit_list):
-                last = k + 1 == len(unit_list)
-                then = cast(SnakeBeta, after) if last else unit_list[k + 1].act1
-                assert x is not None
-                x, act = unit.fused_then(x, act, slots, then, keep=not last)
-        return cast(CausalConv, final_conv)(act, slots)
 
     @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:

@@ -51,9 +51,6 @@ if triton is not None:
         inv_beta_ptr,
         res_ptr,
         out_ptr,
-        out2_ptr,
-        alpha2_ptr,
-        inv_beta2_ptr,
         rows,
         t_out,
         t_x,
@@ -67,8 +64,6 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         SNAKE: tl.constexpr,
         RESIDUAL: tl.constexpr,
-        KEEP: tl.constexpr,
-        THEN_SNAKE: tl.constexpr,
         PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -121,105 +116,7 @@ if triton is not None:
         mask = m_ok[:, None] & n_ok[None, :]
         if RESIDUAL:
             acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = acc.to(out2_ptr.dtype.element_ty)
-        if KEEP:
-            tl.store(out_ptr + offs, y, mask=mask)
-        if THEN_SNAKE:  # the next layer's SnakeBeta of the stored output, as its own pass would see it
-            v = y.to(tl.float32)
-            alpha2 = tl.load(alpha2_ptr + rn, mask=n_ok, other=0.0)
-            inv_beta2 = tl.load(inv_beta2_ptr + rn, mask=n_ok, other=0.0)
-            s2 = tl.sin(v * alpha2[None, :])
-            tl.store(out2_ptr + offs, (v + inv_beta2[None, :] * s2 * s2).to(y.dtype), mask=mask)
-
-    # the same convolution with the output tile transposed: BLOCK_C output channels by BLOCK_R output
-    # rows, so a narrow layer's rows, not its few channels, are the wide side of each tensor-core
-    # product (the weights' tile is then the left operand)
-    @triton.jit(do_not_specialize=["rows", "t_out", "t_x", "taps", "dilation", "context"])
-    def _conv_kernel_channel_major(
-        x_ptr,
-        past_ptr,
-        slots_ptr,
-        w_ptr,
-        bias_ptr,
-        alpha_ptr,
-        inv_beta_ptr,
-        res_ptr,
-        out_ptr,
-        out2_ptr,
-        alpha2_ptr,
-        inv_beta2_ptr,
-        rows,
-        t_out,
-        t_x,
-        c_in,
-        c_out,
-        taps,
-        dilation,
-        context,
-        chunks,
-        HAS_PAST: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        SNAKE: tl.constexpr,
-        RESIDUAL: tl.constexpr,
-        KEEP: tl.constexpr,
-        THEN_SNAKE: tl.constexpr,
-        PRECISION: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        rc = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        rr = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rk = tl.arange(0, BLOCK_K)
-        c_ok = rc < c_out
-        r_ok = rr < rows
-        batch = rr // t_out
-        t = rr % t_out
-        x_first = batch.to(tl.int64) * t_x + t - context
-        if HAS_PAST:
-            past_first = tl.load(slots_ptr + batch, mask=r_ok, other=0).to(tl.int64) * context + t
-        acc = tl.zeros((BLOCK_C, BLOCK_R), dtype=tl.float32)
-        for i in range(0, taps * chunks):
-            j = i // chunks
-            ck = (i - j * chunks) * BLOCK_K + rk
-            k_ok = ck < c_in
-            in_x = t + j * dilation >= context
-            x_cols = x_ptr + (x_first + j * dilation)[None, :] * c_in + ck[:, None]
-            if HAS_PAST:
-                past_cols = past_ptr + (past_first + j * dilation)[None, :] * c_in + ck[:, None]
-                a = tl.load(
-                    tl.where(in_x[None, :], x_cols, past_cols),
-                    mask=k_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )
-            else:
-                a = tl.load(x_cols, mask=k_ok[:, None] & (r_ok & in_x)[None, :], other=0.0)
-            w = tl.load(
-                w_ptr + (j * c_in + ck[None, :]).to(tl.int64) * c_out + rc[:, None],
-                mask=c_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            acc = tl.dot(w, a, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[:, None]
-        if SNAKE:
-            alpha = tl.load(alpha_ptr + rc, mask=c_ok, other=0.0)
-            inv_beta = tl.load(inv_beta_ptr + rc, mask=c_ok, other=0.0)
-            s = tl.sin(acc * alpha[:, None])
-            acc = acc + inv_beta[:, None] * s * s
-        offs = rr.to(tl.int64)[None, :] * c_out + rc[:, None]
-        mask = c_ok[:, None] & r_ok[None, :]
-        if RESIDUAL:
-            acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = acc.to(out2_ptr.dtype.element_ty)
-        if KEEP:
-            tl.store(out_ptr + offs, y, mask=mask)
-        if THEN_SNAKE:  # the next layer's SnakeBeta of the stored output, as its own pass would see it
-            v = y.to(tl.float32)
-            alpha2 = tl.load(alpha2_ptr + rc, mask=c_ok, other=0.0)
-            inv_beta2 = tl.load(inv_beta2_ptr + rc, mask=c_ok, other=0.0)
-            s2 = tl.sin(v * alpha2[:, None])
-            tl.store(out2_ptr + offs, (v + inv_beta2[:, None] * s2 * s2).to(y.dtype), mask=mask)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 MAX_ROWS = 2**31 - 1  # 32-bit row indices in the kernel
@@ -240,12 +137,11 @@ def _next_pow2(n: int) -> int:
 
 
 class Tiles(NamedTuple):
-    block_m: int  # output rows per program (channel-major: output channels)
-    block_n: int  # output channels per program (channel-major: output rows)
+    block_m: int  # output rows per program
+    block_n: int  # output channels per program
     block_k: int  # input channels per step of the loop
     warps: int
     stages: int  # software-pipelining depth of the loop's loads
-    channel_major: bool = False  # the output tile transposed (_conv_kernel_channel_major)
 
 
 # Code2Wav's layers at the real checkpoint's shapes, (C_in, C_out, taps) -> the tiles that time
@@ -281,10 +177,7 @@ def tiling(rows: int, c_in: int, c_out: int, taps: int) -> Tiles:
     tiles = _MEASURED.get(
         (c_in, c_out, taps), Tiles(128, block_n, _block_k(c_in), 8 if block_n == 128 else 4, 3)
     )
-    rows_per, channels_per = (
-        (tiles.block_n, tiles.block_m) if tiles.channel_major else (tiles.block_m, tiles.block_n)
-    )
-    programs = -(-rows // rows_per) * -(-c_out // channels_per)
+    programs = -(-rows // tiles.block_m) * -(-c_out // tiles.block_n)
     if programs < _FEW_PROGRAMS and c_out > 32:
         return Tiles(64, 32, _block_k(c_in), 4, 3)
     return tiles
@@ -305,76 +198,26 @@ def conv(
     snake: (alpha, 1 / beta) [C_out] in fp32, applied after the bias; residual [B, T_out, C_out],
     added last. context: rows of left context before x, from past = (pool [slots, context, C_in],
     slots [B]) or silence without it."""
-    out, _ = _launch(x, weight, taps, dilation, bias, snake, residual, context, past, None, True)
-    assert out is not None
-    return out
-
-
-def conv_then_snake(
-    x: Tensor,
-    weight: Tensor,
-    taps: int,
-    then_snake: tuple[Tensor, Tensor],
-    dilation: int = 1,
-    bias: Tensor | None = None,
-    snake: tuple[Tensor, Tensor] | None = None,
-    residual: Tensor | None = None,
-    context: int = 0,
-    past: tuple[Tensor, Tensor] | None = None,
-    keep: bool = True,
-) -> tuple[Tensor | None, Tensor]:
-    """`conv`, and the next layer's SnakeBeta (`then_snake`: alpha, 1 / beta in fp32) of its output
-    from the same kernel: (the output, or None when `keep` is off, and its activation). The
-    activation is that of the output as stored, so it equals a separate pass over it."""
-    out, act = _launch(x, weight, taps, dilation, bias, snake, residual, context, past, then_snake, keep)
-    assert act is not None
-    return out, act
-
-
-def _launch(
-    x: Tensor,
-    weight: Tensor,
-    taps: int,
-    dilation: int,
-    bias: Tensor | None,
-    snake: tuple[Tensor, Tensor] | None,
-    residual: Tensor | None,
-    context: int,
-    past: tuple[Tensor, Tensor] | None,
-    then_snake: tuple[Tensor, Tensor] | None,
-    keep: bool,
-    tiles: Tiles | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
     x = x.contiguous()
     b, t_x, c_in = x.shape
     c_out = weight.shape[1]
     assert weight.shape[0] == taps * c_in, "weight not packed for these taps and channels"
     t_out = context + t_x - (taps - 1) * dilation
-    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if keep else None
-    act = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype) if then_snake is not None else None
+    out = torch.empty(b, t_out, c_out, device=x.device, dtype=x.dtype)
     rows = b * t_out
     if rows == 0:
-        return out, act
+        return out
     if past is not None:
         pool, slots = past
         assert pool.shape[1:] == (context, c_in) and pool.is_contiguous(), "history pool mismatch"
         assert slots.shape == (b,), "one slot per batch row"
-    tiles = tiles or tiling(rows, c_in, c_out, taps)
+    tiles = tiling(rows, c_in, c_out, taps)
     alpha, inv_beta = snake if snake is not None else (x, x)
-    alpha2, inv_beta2 = then_snake if then_snake is not None else (x, x)
     if residual is not None:
         residual = residual.contiguous()
-        assert residual.shape == (b, t_out, c_out), "residual must match the output"
-    if tiles.channel_major:
-        kernel = _conv_kernel_channel_major
-        grid = (triton.cdiv(c_out, tiles.block_m), triton.cdiv(rows, tiles.block_n))
-        blocks = {"BLOCK_C": tiles.block_m, "BLOCK_R": tiles.block_n}
-    else:
-        kernel = _conv_kernel
-        grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(c_out, tiles.block_n))
-        blocks = {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n}
-    first = out if out is not None else act
-    kernel[grid](
+        assert residual.shape == out.shape, "residual must match the output"
+    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(c_out, tiles.block_n))
+    _conv_kernel[grid](
         x,
         past[0] if past is not None else x,
         past[1] if past is not None else x,
@@ -383,10 +226,7 @@ def _launch(
         alpha,
         inv_beta,
         residual if residual is not None else x,
-        first,
-        act if act is not None else first,
-        alpha2,
-        inv_beta2,
+        out,
         rows,
         t_out,
         t_x,
@@ -400,15 +240,14 @@ def _launch(
         HAS_BIAS=bias is not None,
         SNAKE=snake is not None,
         RESIDUAL=residual is not None,
-        KEEP=out is not None,
-        THEN_SNAKE=act is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         num_warps=tiles.warps,
         num_stages=tiles.stages,
-        **blocks,
     )
-    return out, act
+    return out
 
 
 def pack(weight: Tensor) -> Tensor:
@@ -482,23 +321,6 @@ def _compare(device: torch.device) -> None:
         raise ValueError(
             f"the in-place context differs from torch's conv1d by {(got - expected).abs().max().item():.3g}"
         )
-    # the next layer's activation from the same kernel, the output kept and not, in both layouts
-    x, w = torch.randn(2, 20, 32, generator=gen), torch.randn(48, 32, 3, generator=gen) / 10
-    alpha, inv_beta = torch.rand(48, generator=gen) + 0.5, torch.rand(48, generator=gen) + 0.5
-    plain = F.conv1d(x.transpose(1, 2), w).transpose(1, 2)
-    expected = plain + inv_beta * torch.sin(plain * alpha) ** 2
-    xd, wd = x.to(device, torch.bfloat16), pack(w.to(device, torch.bfloat16))
-    for channel_major in (False, True):
-        tiles = Tiles(64, 32, 32, 4, 3, channel_major) if channel_major else None
-        for keep in (True, False):
-            kept, act = _launch(
-                xd, wd, 3, 1, None, None, None, 0, None, (alpha.to(device), inv_beta.to(device)), keep, tiles
-            )
-            got = act.float().cpu()
-            if (kept is not None) != keep or not torch.allclose(got, expected, rtol=3e-2, atol=3e-2):
-                raise ValueError(
-                    f"the activation after the conv differs by {(got - expected).abs().max().item():.3g}"
-                )
     x = torch.randn(2, 11, 64, generator=gen)
     w = torch.randn(64, 32, 8, generator=gen) / 16
     expected = F.conv_transpose1d(x.transpose(1, 2), w, stride=4).transpose(1, 2)[:, 4 : 4 + 40]
