@@ -208,6 +208,7 @@ class Scheduler:
         )
         self._awaiting_first: set[str] = set()  # admitted with text, no first audio yet
         self._measured_rows = 0  # rows of the last step, when the next one follows at once
+        self._last_plan_ran = False  # the last plan had work (the time to the next one is a step)
 
     # -- inputs (called between steps) -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -285,12 +286,12 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         now = self.clock()
-        if self._last_schedule is not None and now - self._last_schedule < IDLE_GAP_S:
+        # only a plan that ran makes the time to this one a step's: after an empty plan the loop
+        # sleeps (a stream waiting for its next text), and that wait is no step's cost
+        if self._last_plan_ran and self._last_schedule is not None and now - self._last_schedule < IDLE_GAP_S:
             self.step_time_s += 0.1 * (now - self._last_schedule - self.step_time_s)
             if self._measured_rows:  # the step before ran straight into this one: its cost
                 self.capacity.step(self._measured_rows, now - self._last_schedule)
-        # measured once: a plan with nothing to run lets the loop sleep (a stream waiting for its
-        # text), and the next plan after that sleep is no step's cost
         self._measured_rows = 0
         self._last_schedule = now
         self._step += 1
@@ -349,6 +350,7 @@ class Scheduler:
         plan.prefix_copies, self._prefix_copies = self._prefix_copies, []
         plan.freed_kv_slots, self._freed_kv = self._freed_kv, []
         plan.codec_resets, self._codec_resets = self._codec_resets, []
+        self._last_plan_ran = not plan.is_empty
         return plan
 
     def _plan_decode(self, decode: list[DecodeRow], limit: int) -> list[Request]:

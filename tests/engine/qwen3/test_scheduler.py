@@ -308,8 +308,10 @@ def test_deadlines_count_the_time_between_steps_not_only_the_step():
 def test_an_idle_engine_does_not_count_as_a_slow_step():
     clock = FakeClock()
     sched = create_scheduler(clock=clock)
+    for r in create_requests(4, prompt_len=4, max_frames=500):
+        sched.add_request(r)
     run_steps(sched, 80, clock, dt=0.03)
-    clock.t += 30.0  # nothing to do for half a minute
+    clock.t += 30.0  # the loop stalled for half a minute
     run_steps(sched, 1, clock, dt=0.03)
     assert sched.step_time_s == pytest.approx(0.03, rel=0.01)
 
@@ -332,6 +334,7 @@ def test_a_stream_waiting_for_its_text_does_not_count_as_a_slow_step():
         sched.update(plan, fake_output(plan))
     assert empty > 20
     assert [cost for _, cost in sched.capacity.curve.curve()] == [pytest.approx(0.01)]
+    assert sched.step_time_s < 0.03  # the sleeps are not in the step time either (0.5 s each)
 
 
 def test_first_chunks_go_before_later_ones():
