@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -235,16 +236,38 @@ class HostOnlyEngine:
             batch.post()
 
 
+def _beside(host_s: float, wait_s: float) -> None:
+    """Another thread of the worker's interpreter, as the aligner's beside the engine: Python work
+    holding the GIL for host_s (a call's inputs readied), then wait_s with it released (the call's
+    wait on the GPU), over and over."""
+    while True:
+        until = time.perf_counter() + host_s
+        n = 0
+        while time.perf_counter() < until:
+            n += sum(range(64))
+        time.sleep(wait_s)
+
+
 def build(
-    streams: int, gpu_ms: float, switch_interval_ms: float | None, window_s: float = 0.0
+    streams: int,
+    gpu_ms: float,
+    switch_interval_ms: float | None,
+    window_s: float = 0.0,
+    beside_ms: tuple[float, float] | None = None,
 ) -> HostOnlyEngine:
     if switch_interval_ms:
         sys.setswitchinterval(switch_interval_ms / 1000)
+    if beside_ms is not None:
+        host_ms, wait_ms = beside_ms
+        threading.Thread(target=_beside, args=(host_ms / 1000, wait_ms / 1000), daemon=True).start()
     return HostOnlyEngine(streams, gpu_ms, window_s)
 
 
 async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
-    build_engine = functools.partial(build, streams, args.gpu_ms, args.switch_interval_ms, args.seconds)
+    beside = tuple(float(v) for v in args.beside_ms.split(",")) if args.beside_ms else None
+    build_engine = functools.partial(
+        build, streams, args.gpu_ms, args.switch_interval_ms, args.seconds, beside
+    )
     pool = WorkerPoolEngine([WorkerSpec(build_engine, dict(os.environ))])
     await pool.start()
     samples = 0
@@ -295,6 +318,7 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         "streams": streams,
         "gpu_ms": args.gpu_ms,
         "switch_interval_ms": args.switch_interval_ms or 5.0,
+        "beside_ms": args.beside_ms or None,
         "steps_per_s": round(steps / wall, 1),
         "ideal_steps_per_s": round(1000 / args.gpu_ms, 1),
         "step_interval_ms": round(1000 * wall / max(1.0, steps), 2),
@@ -320,6 +344,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--switch-interval-ms", type=float, default=None, help="the worker's GIL switch interval")
+    ap.add_argument(
+        "--beside-ms",
+        default="",
+        help="HOST,WAIT: a thread beside the step thread holds the GIL HOST ms, then waits WAIT ms, "
+        "over and over (the aligner's calls)",
+    )
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args()
     rows = [asyncio.run(level(int(n), args)) for n in args.streams.split(",")]

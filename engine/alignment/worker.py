@@ -7,10 +7,19 @@ polling. Jobs that arrive during a call form the next batch. An idle worker star
 (or a full batch is queued), so that under load a call holds many jobs: most of a call's cost is
 fixed, and more jobs per call is more audio aligned per second. Async words may trail their audio,
 so they take the wait; sync audio waits for its words, so its jobs do not. Each call's cost goes to `on_batch`
-(engine.alignment.engine measures the aligner's throughput for admission from it)."""
+(engine.alignment.engine measures the aligner's throughput for admission from it).
+
+While the worker runs, the interpreter's GIL switch interval is `SWITCH_INTERVAL_S` at most: a
+call readies its inputs in Python for tens of milliseconds, and every other thread of the process
+that wakes meanwhile (the engine's step thread back from its wait on the GPU, the thread that
+hands chunks on) waits for the GIL until the interval forces a switch. At CPython's 5 ms those
+waits cost the engine's streams much of their audio at load, far less at 0.5 ms; without an
+aligner the shorter interval gains nothing (deploy/bench/README.md), so only the worker sets it,
+and puts the former one back when it stops."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -39,6 +48,7 @@ class AlignerStats:
 
 BatchDone = Callable[[float, float, int], None]  # (busy s, audio s, jobs)
 GATHER_S = 0.1  # the longest a job without urgency waits for others to share its call
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while the worker runs (see the module)
 
 
 class AlignerWorker:
@@ -64,10 +74,13 @@ class AlignerWorker:
         self._queued_audio_s = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._switch_before: float | None = None  # the interval the worker replaced
 
     def start(self) -> None:
         if self._thread is None:
             self._stopping = False
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_before, SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._serve, name="aligner", daemon=True)
             self._thread.start()
 
@@ -78,6 +91,9 @@ class AlignerWorker:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
 
     def warm_up(self) -> None:
         warm_up = getattr(self.aligner, "warm_up", None)

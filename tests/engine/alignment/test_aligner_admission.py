@@ -8,6 +8,7 @@ measures as it would the real one's."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from engine.alignment.api import AlignedWord, AlignInput
 from engine.alignment.capacity import AlignerCapacity
 from engine.alignment.engine import AlignedEngine, AlignedStream
 from engine.alignment.track import AlignJob
-from engine.alignment.worker import AlignerWorker
+from engine.alignment.worker import SWITCH_INTERVAL_S, AlignerWorker
 from engine.api import AudioChunk, Overloaded, SynthesisRequest, TextSegment
 from tests.engine.alignment.fakes import LateWordsEngine, SpreadAligner, ToneAligner
 from tests.engine.alignment.test_aligned_engine import check_timeline
@@ -289,3 +290,27 @@ def test_jobs_without_urgency_wait_to_share_a_call_and_an_urgent_one_goes_at_onc
         assert [jobs for *_, jobs in calls] == [3, 2]
     finally:
         worker.stop()
+
+
+def test_the_worker_shortens_the_gil_switch_interval_while_it_runs_and_puts_it_back() -> None:
+    # a call readies its inputs in Python: a thread waking meanwhile (the engine's step thread back
+    # from the GPU) must get the interpreter within a fraction of a millisecond, not CPython's 5 ms
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        worker = AlignerWorker(SpreadAligner())
+        worker.start()
+        try:
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, rel=0.05)
+        finally:
+            worker.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+        sys.setswitchinterval(0.0001)  # an interval already shorter is kept
+        worker = AlignerWorker(SpreadAligner())
+        worker.start()
+        try:
+            assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)  # kept in whole microseconds
+        finally:
+            worker.stop()
+    finally:
+        sys.setswitchinterval(before)
