@@ -15,7 +15,9 @@ GPU run pays too. Also the hand-off latency: from the step thread's `put` of a c
 process's consumer receiving it (p50/p90/p99, ms), for every chunk and for each request's first
 chunk alone, and the step interval's p50/p90. The hand-off time rides in the chunk's first four
 samples, 15 bits each, in a form the int16 PCM of the wire keeps (the bench's audio is silence;
-both processes read the same monotonic clock).
+both processes read the same monotonic clock). `--beside-ms HOST,WAIT` adds a thread to the worker
+that holds the GIL HOST ms then waits WAIT ms, over and over, as the aligner's calls do beside the
+step thread; `--switch-interval-ms` sets the worker's GIL switch interval.
 
     .venv/bin/python -m bench.worker_host --streams 64,256,512 --gpu-ms 30 --seconds 8
 """
