@@ -14,7 +14,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_a_short_run_reports_cadence_host_time_and_cpu() -> None:
-    args = argparse.Namespace(gpu_ms=10.0, frames=20, seconds=1.0, warmup=0.5, switch_interval_ms=None)
+    args = argparse.Namespace(
+        gpu_ms=10.0, frames=20, seconds=1.0, warmup=0.5, switch_interval_ms=None, beside_ms=""
+    )
     row = await level(8, args)
     assert row["streams"] == 8 and row["ideal_steps_per_s"] == 100.0
     assert 10.0 <= row["step_interval_ms"] < 60.0  # never faster than the slept GPU share
@@ -28,3 +30,14 @@ async def test_a_short_run_reports_cadence_host_time_and_cpu() -> None:
     for name in ("handoff", "first_handoff"):
         assert 0 < row[f"{name}_p50_ms"] <= row[f"{name}_p90_ms"] <= row[f"{name}_p99_ms"] < 1000
     assert 10.0 <= row["step_interval_p50_ms"] <= row["step_interval_p90_ms"]
+
+
+async def test_a_thread_beside_the_step_thread_is_reported_and_the_streams_are_still_served() -> None:
+    args = argparse.Namespace(
+        gpu_ms=10.0, frames=20, seconds=1.0, warmup=0.5, switch_interval_ms=0.5, beside_ms="4,4"
+    )
+    row = await level(8, args)
+    assert row["beside_ms"] == "4,4" and row["switch_interval_ms"] == 0.5
+    assert row["audio_s_per_s"] > 0 and row["step_interval_ms"] >= 10.0
+    # the thread holds the GIL half the time: the worker burns CPU beyond its step thread's
+    assert row["worker_cpu_pct"] > 20
