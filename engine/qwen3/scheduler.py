@@ -292,7 +292,6 @@ class Scheduler:
             self.step_time_s += 0.1 * (now - self._last_schedule - self.step_time_s)
             if self._measured_rows:  # the step before ran straight into this one: its cost
                 self.capacity.step(self._measured_rows, now - self._last_schedule)
-        self._measured_rows = 0
         self._last_schedule = now
         self._step += 1
         plan = StepPlan(step=self._step)
