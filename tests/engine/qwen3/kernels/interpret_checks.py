@@ -550,11 +550,14 @@ def fused_conv_context() -> str:
 
     gen = torch.Generator().manual_seed(4)
     worst = 0.0
-    # [batch, new rows, C_in, C_out, taps, dilation]: new rows fewer than the context, and more
+    # [batch, new rows, C_in, C_out, taps, dilation]: new rows fewer than the context, and more;
+    # the last spans several tiles per batch row: tiles wholly past the context, tiles over it and
+    # a tile across two batch rows
     for b, t, c_in, c_out, taps, dilation in (
         (2, 5, 24, 40, 7, 3),
         (3, 30, 16, 16, 3, 2),
         (2, 4, 32, 8, 2, 1),
+        (2, 300, 32, 48, 7, 3),
     ):
         context = (taps - 1) * dilation
         pool = torch.randn(5, context, c_in, generator=gen)
