@@ -17,7 +17,12 @@ deploy/bench: Code2Wav per (rows, frames) from every graph shape the engine repl
 (`--codec-scale`) and, where a preset names one, a newer Code2Wav's ratio to that table on fewer
 shapes; talker decode and sampling per row, and the host term, per preset:
 
-- `h200-batched-prompts` (default): fitted to the stage figures of the sweep with each step's
+- `current` (default): the current build's parts as measured alone, not fitted to a sweep: Code2Wav
+  from `h100-codec.json` (the current Code2Wav on an H100, within 3 % of the H200 at every bucket),
+  talker decode and sampling as `h200-batched-prompts`, no host term; its step comes out shorter
+  than the sweep's (`h200-e2e-1.7b.json`: 38.5 ms at 512 streams, simulated 35.2), which measures
+  the gaps and prompt chunks too, so compare policies under it, not absolute figures.
+- `h200-batched-prompts`: fitted to the stage figures of the sweep with each step's
   prompts built in one batch at its start (`h200-e2e-1.7b-batched-prompts.json`); Code2Wav with
   the fused pre-transformer (`h200-codec-fused-transformer.json`); no host term, since the GPU's
   gaps between stages about cancel the first-chunk lane's Code2Wav, which overlaps the step.
@@ -113,9 +118,19 @@ class Costs:
 
 
 # talker and sampling costs and the host term of each calibration (see the module's docstring);
-# `codec_since`: a bench/gpu_codec_bench.py --json file of a newer Code2Wav, on fewer shapes than
+# `codec_table`: the Code2Wav table in place of h200-codec-shapes.json; `codec_since`: a
+# bench/gpu_codec_bench.py --json file of a newer Code2Wav, on fewer shapes than
 # the table, whose ratio to the table is Costs.codec_speedup
 PRESETS: dict[str, dict[str, Any]] = {
+    "current": {
+        "decode": (2.21, 0.00595),
+        "sample": (3.68, 0.01158),
+        "codec_table": "deploy/bench/h100-codec.json",
+        "codec_scale": 1.0,
+        "host_ms": 0.0,
+        "host_us_per_row": 0.0,
+        "host_rows_overlapped": 0,
+    },
     "h200-batched-prompts": {
         "decode": (2.21, 0.00595),
         "sample": (3.68, 0.01158),
@@ -134,7 +149,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "host_rows_overlapped": 0,
     },
 }
-DEFAULT_PRESET = "h200-batched-prompts"
+DEFAULT_PRESET = "current"
 
 
 def _interpolate(table: dict[int, dict[int, float]], rows: int, frames: int) -> float:
@@ -167,8 +182,9 @@ def load_costs(path: Path | None, codec_shapes: Path | None = None, preset: str 
             {int(r): {int(f): ms for f, ms in v.items()} for r, v in data["codec"].items()},
             **host,
         )
-    table = _codec_table(codec_shapes or CODEC_SHAPES)
     fields = dict(PRESETS[preset])
+    own = fields.pop("codec_table", None)
+    table = _codec_table(codec_shapes or (ROOT / own if own else CODEC_SHAPES))
     since = fields.pop("codec_since", None)
     if since is not None:
         base = Costs(codec=table)
@@ -181,7 +197,8 @@ def load_costs(path: Path | None, codec_shapes: Path | None = None, preset: str 
 
 def _codec_table(path: Path) -> dict[int, dict[int, float]]:
     table: dict[int, dict[int, float]] = defaultdict(dict)
-    for row in json.loads(path.read_text()):
+    data = json.loads(path.read_text())
+    for row in data["rows"] if isinstance(data, dict) else data:  # a run record keeps them under "rows"
         table[int(row["batch"])][int(row["frames"])] = float(row["graph_ms"])
     return dict(table)
 
@@ -569,7 +586,7 @@ def main() -> None:
         "--schedule",
         default=None,
         metavar="FIRST,GROWTH,LARGEST",
-        help="the requests' chunk schedule (engine.api.ChunkSchedule; default 1,2,25)",
+        help="the requests' chunk schedule (engine.api.ChunkSchedule; default its defaults, 1,2,4)",
     )
     ap.add_argument(
         "--request-ms",

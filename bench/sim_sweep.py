@@ -39,6 +39,7 @@ KEYS = (
     "lead_chunk_p1_ms",
     "lead_chunk_p50_ms",
     "lead_stream_min_p10_ms",
+    "audio_s_per_s",
 )
 
 

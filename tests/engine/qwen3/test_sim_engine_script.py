@@ -32,7 +32,10 @@ def test_launches_follow_the_runners_grouping() -> None:
 
 
 def test_the_cost_model_interpolates_rows_and_frames() -> None:
-    costs = load_costs(None, None)
+    current = load_costs(None, None)
+    assert current.codec_ms(64, 4) == 6.698 and current.launch_ms(64, 4) == 6.698  # h100-codec.json
+    assert current.codec_ms(32, 4) == current.codec_ms(16, 4) + (6.698 - 2.508) * 16 / 48
+    costs = load_costs(None, None, "h200-fused-layers")
     assert isinstance(costs, Costs)
     assert costs.codec_ms(64, 4) == 11.523 and costs.codec_ms(1, 1) == 2.411  # h200-codec-shapes.json
     assert costs.codec_ms(48, 4) == (costs.codec_ms(32, 4) + costs.codec_ms(64, 4)) / 2
@@ -42,8 +45,11 @@ def test_the_cost_model_interpolates_rows_and_frames() -> None:
 
 def test_a_short_run_reports_the_benchmarks_figures_and_merging_saves_launches() -> None:
     costs = load_costs(None, None)
-    merged = Simulation(args(None), 256, costs).run()
-    apart = Simulation(args(0), 256, costs).run()
+    growing = [args(None), args(0)]
+    for a in growing:  # chunks through every size: groups small enough to merge
+        a.schedule = "1,2,25"
+    merged = Simulation(growing[0], 256, costs).run()
+    apart = Simulation(growing[1], 256, costs).run()
     for r in (merged, apart):
         assert r["streams"] == 256 and r["requests"] > 100
         assert 0 < r["rtf_p50"] <= r["rtf_p90"] < 2 and 0 <= r["underrun_streams_pct"] <= 100
@@ -67,7 +73,7 @@ def test_scheduler_fields_are_set_from_the_command_line() -> None:
 
 def test_presets_keep_the_older_calibration_and_the_host_term_grows_past_the_overlapped_rows() -> None:
     fused, eager = load_costs(None, None, "h200-fused-layers"), load_costs(None, None, "h200-eager-layers")
-    assert set(PRESETS) == {"h200-batched-prompts", "h200-fused-layers", "h200-eager-layers"}
+    assert set(PRESETS) == {"current", "h200-batched-prompts", "h200-fused-layers", "h200-eager-layers"}
     assert eager.decode == (1.0, 0.0125) and eager.sample == (6.7, 0.0167)
     assert eager.host_step_ms(1) == eager.host_step_ms(512) == 5.0
     assert fused.decode[1] < eager.decode[1] and fused.sample[0] < eager.sample[0]
