@@ -117,28 +117,24 @@ class Costs:
         return self.host_ms + self.host_us_per_row / 1000 * max(0, rows - self.host_rows_overlapped)
 
 
+# the batched-prompts sweep's talker and sampling, no host term
+_BATCHED_PROMPTS: dict[str, Any] = {
+    "decode": (2.21, 0.00595),
+    "sample": (3.68, 0.01158),
+    "codec_scale": 1.0,
+    "host_ms": 0.0,
+    "host_us_per_row": 0.0,
+    "host_rows_overlapped": 0,
+}
 # talker and sampling costs and the host term of each calibration (see the module's docstring);
 # `codec_table`: the Code2Wav table in place of h200-codec-shapes.json; `codec_since`: a
 # bench/gpu_codec_bench.py --json file of a newer Code2Wav, on fewer shapes than
 # the table, whose ratio to the table is Costs.codec_speedup
 PRESETS: dict[str, dict[str, Any]] = {
-    "current": {
-        "decode": (2.21, 0.00595),
-        "sample": (3.68, 0.01158),
-        "codec_table": "deploy/bench/h100-codec.json",
-        "codec_scale": 1.0,
-        "host_ms": 0.0,
-        "host_us_per_row": 0.0,
-        "host_rows_overlapped": 0,
-    },
+    "current": {**_BATCHED_PROMPTS, "codec_table": "deploy/bench/h100-codec.json"},
     "h200-batched-prompts": {
-        "decode": (2.21, 0.00595),
-        "sample": (3.68, 0.01158),
+        **_BATCHED_PROMPTS,
         "codec_since": "deploy/bench/h200-codec-fused-transformer.json",
-        "codec_scale": 1.0,
-        "host_ms": 0.0,
-        "host_us_per_row": 0.0,
-        "host_rows_overlapped": 0,
     },
     "h200-fused-layers": {},  # the Costs defaults
     "h200-eager-layers": {
