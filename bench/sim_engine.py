@@ -582,7 +582,7 @@ def main() -> None:
         "--schedule",
         default=None,
         metavar="FIRST,GROWTH,LARGEST",
-        help="the requests' chunk schedule (engine.api.ChunkSchedule; default its defaults, 1,2,4)",
+        help="the requests' chunk schedule (engine.api.ChunkSchedule; default its own)",
     )
     ap.add_argument(
         "--request-ms",

@@ -71,10 +71,7 @@ class ChunkSchedule:
 
     first: int = 1
     growth: float = 2.0
-    # Code2Wav's time per frame hardly depends on a chunk's length once a launch holds tens of rows,
-    # while each chunk size in a step is a launch of its own: one size after the first two keeps
-    # the launches few and the rows per launch many
-    largest: int = 4
+    largest: int = 25
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ Every step:
 2. decode: every request in DECODING samples one frame;
 3. chunked prefill: prompts fill the rest of the step's token budget, a chunk at a time, so a new
    request's first frame never waits behind a long prompt;
-4. Code2Wav: per request, the next chunk of its schedule (1, 2, then 4 frames by default) when
+4. Code2Wav: per request, the next chunk of its schedule (1-2 frames first, then growing) when
    enough frames are ready, or sooner when the listener's buffer would otherwise run dry; then,
    since each chunk size is one graph launch, small groups are cut down to a size already in the
    step, and the step's frames are held near what the talker makes, chunks that can wait waiting.

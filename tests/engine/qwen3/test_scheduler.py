@@ -253,18 +253,6 @@ def test_codec_chunks_follow_the_schedule_when_the_buffer_allows():
     assert r.ttfa is not None and r.ttfa == pytest.approx(0.01)
 
 
-def test_the_default_schedule_keeps_one_chunk_size_after_the_first_two():
-    clock = FakeClock()
-    sched = create_scheduler(clock=clock, safety_margin_s=0.0)
-    (r,) = create_requests(1, prompt_len=3, max_frames=40, schedule=ChunkSchedule())
-    sched.add_request(r)
-    sizes = _codec_sizes(sched, clock, 50)
-    assert sizes[:2] == [1, 2]
-    assert sum(sizes) == 40
-    assert set(sizes[2:-1]) == {4}  # the last chunk flushes what is left
-    assert sizes[-1] <= 4
-
-
 def test_codec_keeps_a_safety_margin_before_growing():
     clock = FakeClock()
     sched = create_scheduler(clock=clock, safety_margin_s=0.1)

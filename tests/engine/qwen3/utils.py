@@ -72,11 +72,6 @@ def make_segment(prompt_len: int = 10, max_frames: int = 100, text: str = "hello
     return Segment(text=TextSegment(text, char_start=0), prompt_len=prompt_len, max_frames=max_frames)
 
 
-# a schedule that grows through every Code2Wav bucket, so the tests meet each chunk size (the
-# default stops at 4 frames)
-GROWING = ChunkSchedule(largest=25)
-
-
 def create_requests(
     n: int,
     prompt_len: int = 10,
@@ -93,7 +88,7 @@ def create_requests(
         r = Request(
             request_id=f"{prefix}{i}",
             priority=priority,
-            schedule=schedule or GROWING,
+            schedule=schedule or ChunkSchedule(),
             arrival_time=arrival_time,
         )
         for _ in range(segments):
