@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +113,14 @@ class SleepRunner:
         ]  # list(): one C call, the step thread appends meanwhile
         return [b - a for a, b in zip(starts, starts[1:], strict=False)]
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, while_waiting: Callable[[], None] | None = None) -> StepOutput:
         start = time.perf_counter()
         self.starts.append(start)
         self.host_s += start - self._last
         self.host_cpu_s += time.thread_time() - self._last_cpu
-        time.sleep(self.gpu_s)
+        if while_waiting is not None:  # as the runner does once the sampling is queued
+            while_waiting()
+        time.sleep(max(0.0, start + self.gpu_s - time.perf_counter()))
         codes = [[7] * 16 for _ in plan.sampling_rows]
         audio = {c.request_id: np.zeros(c.num_frames * SAMPLES_PER_FRAME, np.int16) for c in plan.codec}
         audio |= {f.request_id: np.zeros(SAMPLES_PER_FRAME, np.int16) for f in plan.first_audio_now}

@@ -4,7 +4,9 @@ Inputs (new requests, text, cancels) may come from any thread. New requests and 
 to the scheduler under a lock (admission must answer at once); cancels go to a queue drained once
 at the start of each step, so a cancel takes effect at the next step. A step readies the text that
 came since the last one (`prepare` or, all in one batch, `prepare_batch`: e.g. prompt embeddings)
-before it plans. The step loop runs in its own thread and sleeps on a condition when there is
+before it plans; text that comes while a step runs is readied while the runner waits for the GPU
+(`while_waiting`), so the next step only hands it to the scheduler and the host's work between
+two steps' GPU launches stays short. The step loop runs in its own thread and sleeps on a condition when there is
 nothing to do.
 """
 
@@ -21,7 +23,10 @@ from engine.qwen3.scheduler import Scheduler
 
 
 class StepRunner(Protocol):
-    def execute(self, plan: StepPlan) -> StepOutput: ...
+    def execute(self, plan: StepPlan, while_waiting: Callable[[], None] | None = None) -> StepOutput:
+        """Run the plan; call `while_waiting` (once, if given) where the host would otherwise wait for
+        the device."""
+        ...
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -45,6 +50,8 @@ class EngineCore:
         self._wake = threading.Condition(self._lock)
         self._aborts: deque[str] = deque()
         self._text: deque[tuple[str, Segment | None]] = deque()  # (id, segment) or (id, None) = close
+        # text readied during the last step (`_ready_text`) that the scheduler has not yet taken
+        self._readied: list[tuple[str, Segment | None, str | None]] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._inputs = 0  # bumped by every input, so the loop never sleeps through one
@@ -93,7 +100,7 @@ class EngineCore:
         if plan.is_empty and not plan.freed_kv_slots:
             return outs
         try:
-            result = self.runner.execute(plan)
+            result = self.runner.execute(plan, self._ready_text)
         except Exception as exc:  # a failed step ends its requests, never the engine
             ids = {r.request_id for r in plan.decode} | {c.request_id for c in plan.prefill}
             ids |= {c.request_id for c in plan.codec}
@@ -110,14 +117,28 @@ class EngineCore:
         self._aborts.clear()
         return self.scheduler.abort(ids) if ids else []
 
-    def _process_text(self) -> list[RequestOutput]:
-        """Prepare the queued text (no lock held), then hand it all to the scheduler in one go."""
+    def _take_text(self) -> list[tuple[str, Segment | None]]:
         with self._lock:
             items = list(self._text)
             self._text.clear()
-        if not items:
+        return items
+
+    def _ready_text(self) -> None:
+        """Prepare the text that came since the step began (no lock held) while the device works; the
+        next step hands it to the scheduler, ahead of anything that comes later."""
+        items = self._take_text()
+        if items:
+            self._readied += self._prepare_all(items)
+
+    def _process_text(self) -> list[RequestOutput]:
+        """Prepare the queued text (no lock held), then hand it all, after the text readied during the
+        last step, to the scheduler in one go."""
+        items = self._take_text()
+        prepared, self._readied = self._readied, []
+        if items:
+            prepared += self._prepare_all(items)
+        if not prepared:
             return []
-        prepared = self._prepare_all(items)
         outs: list[RequestOutput] = []
         with self._lock:
             for request_id, segment, error in prepared:
@@ -184,7 +205,12 @@ class EngineCore:
 
     def _idle(self) -> bool:
         return not (
-            self._stopping or self._aborts or self._text or self.scheduler.has_work() or self._expiry_due()
+            self._stopping
+            or self._aborts
+            or self._text
+            or self._readied
+            or self.scheduler.has_work()
+            or self._expiry_due()
         )
 
     def _expiry_due(self) -> bool:

@@ -311,7 +311,9 @@ class Runner:
 
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, while_waiting: Callable[[], None] | None = None) -> StepOutput:
+        """Launch the plan's talker, sampling and Code2Wav work -> its codes and audio. `while_waiting`
+        runs once the sampling is queued, before the host waits for its codes."""
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
@@ -359,6 +361,8 @@ class Runner:
             fig.rows("batch_sample", len(meta))
         self._launches = 0
         early = self._launch_later_early(plan) if self.first_stream is not None else None
+        if while_waiting is not None:
+            while_waiting()
         if sampled is not None:
             codes = self._read_codes(sampled)
             # rows were sampled decode, one-position prompts, longer prompts: back to the plan's order

@@ -15,10 +15,12 @@ class FakeRunner:
         self.fail_on_step = fail_on_step
         self.during_execute = None
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, while_waiting=None) -> StepOutput:
         self.plans.append(plan)
         if self.during_execute is not None:
             self.during_execute()
+        if while_waiting is not None:
+            while_waiting()
         if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
             raise RuntimeError("boom")
         return fake_output(plan)
@@ -141,6 +143,36 @@ def test_text_is_prepared_on_the_step_and_applied_in_order():
     assert not prepared and not r.text_closed  # nothing happens until the step
     core.step()
     assert prepared == [seg] and r.text_closed and r.frames_generated == 1
+
+
+def test_text_that_comes_during_a_step_is_prepared_while_the_runner_waits_and_applied_next_step():
+    prepared = []
+    runner = FakeRunner()
+    core = EngineCore(create_scheduler(), runner, prepare=lambda seg: prepared.append(seg))
+    (r,) = create_requests(1, prompt_len=2, max_frames=4, segments=0, closed=False)
+    core.add_request(r)
+    first, second = make_segment(prompt_len=2, max_frames=2), make_segment(prompt_len=2, max_frames=2)
+    core.add_segment("r0", first)
+    runner.during_execute = lambda: (core.add_segment("r0", second), core.close_text("r0"))
+    core.step()
+    assert prepared == [first, second]  # the second on this step, inside the runner's wait
+    assert r.current is first and second not in r.segments and not r.text_closed  # not yet the scheduler's
+    runner.during_execute = None
+    core.step()
+    assert (second in r.segments or r.current is second) and r.text_closed and prepared == [first, second]
+
+
+def test_text_readied_during_the_last_step_keeps_the_engine_awake():
+    runner = FakeRunner()
+    core = EngineCore(create_scheduler(), runner, prepare=lambda seg: None)
+    (r,) = create_requests(1, prompt_len=2, max_frames=1, segments=1, closed=False)
+    core.add_request(r)
+    runner.during_execute = lambda: core.close_text("r0")
+    core.step()  # the request's only frame; its close readied, not yet applied
+    runner.during_execute = None
+    assert not r.text_closed and not core._idle()
+    core.step()
+    assert r.text_closed
 
 
 def test_a_segment_that_fails_to_prepare_ends_its_request():

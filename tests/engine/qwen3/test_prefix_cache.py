@@ -29,9 +29,9 @@ def recording(engine: Qwen3Engine) -> list[StepPlan]:
     plans: list[StepPlan] = []
     execute = engine.runner.execute
 
-    def record(plan: StepPlan):  # type: ignore[no-untyped-def]
+    def record(plan: StepPlan, while_waiting=None):  # type: ignore[no-untyped-def]
         plans.append(plan)
-        return execute(plan)
+        return execute(plan, while_waiting)
 
     engine.runner.execute = record  # type: ignore[method-assign]
     return plans

@@ -277,8 +277,8 @@ async def test_deferred_codec_chunks_arrive_with_the_next_step(bundle):
     steps = []
     execute = engine.runner.execute
 
-    def recording(plan):
-        out = execute(plan)
+    def recording(plan, while_waiting=None):
+        out = execute(plan, while_waiting)
         steps.append((plan, out))
         return out
 
