@@ -45,7 +45,9 @@ def quantize_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     """t [..., K] -> (fp8 values [..., K], fp32 scales [..., 1]) with t ~= values * scales,
     one scale per row (amax / 448). Round to nearest even; |t / scale| <= 448 by construction."""
     amax = torch.linalg.vector_norm(t, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    scale = amax.clamp_min(MIN_AMAX) / FP8_MAX
+    # divided by a tensor, not a Python number: CUDA turns division by a host scalar into
+    # multiplication by its reciprocal, a last bit away from the IEEE quotient the Triton kernel makes
+    scale = amax.clamp_min(MIN_AMAX) / torch.full_like(amax, FP8_MAX)
     return (t / scale).to(FP8_DTYPE), scale
 
 

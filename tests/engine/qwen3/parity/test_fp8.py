@@ -402,7 +402,9 @@ def test_gpu_scaled_mm_equals_the_emulation():
             xq, native.weight.t(), scale_a=sx, scale_b=native.weight_scale[None, :], out_dtype=torch.float32
         )
         ref = emulated_scaled_mm(xq, sx, native.weight, native.weight_scale)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        # the tensor cores sum FP8 products in an accumulator narrower than fp32 between promotions:
+        # about 2^-12 of the outputs' scale (~1), far below a wrong scale's or layout's error
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
         with torch.no_grad():
             torch.testing.assert_close(native(x).float(), emulated(x).float(), rtol=2e-2, atol=2e-2)
             assert rel_error(native(x), linear(x)) < LINEAR_REL_ERROR_BOUND
