@@ -203,15 +203,12 @@ class EngineCore:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def has_work(self) -> bool:
+        """Something for a step to do: a cancel, text not yet the scheduler's, or requests to run."""
+        return bool(self._aborts or self._text or self._readied or self.scheduler.has_work())
+
     def _idle(self) -> bool:
-        return not (
-            self._stopping
-            or self._aborts
-            or self._text
-            or self._readied
-            or self.scheduler.has_work()
-            or self._expiry_due()
-        )
+        return not (self._stopping or self.has_work() or self._expiry_due())
 
     def _expiry_due(self) -> bool:
         """A request queued for admission has waited its max wait: a step refuses it."""

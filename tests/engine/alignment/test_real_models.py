@@ -137,7 +137,7 @@ async def test_qwen3_engine_estimates_are_replaced_by_aligned_words(tts_bundle, 
         pieces = ("Hello world. ", "Good morning to you.")
         stream = qwen3_open(aligned, "q", pieces, 4, mode)
         for _ in range(100):
-            if not inner.scheduler.has_work() and not inner.core._text:
+            if not inner.core.has_work():
                 break
             step(inner)
         chunks = await asyncio.wait_for(collect(stream), 10)

@@ -48,7 +48,7 @@ def engine(tmp_path_factory) -> Qwen3Engine:
 
 def drive(engine: Qwen3Engine, max_steps: int = 400) -> None:
     for _ in range(max_steps):
-        if not engine.scheduler.has_work() and not engine.core._text:
+        if not engine.core.has_work():
             return
         engine.core._emit(engine.core.step())
 

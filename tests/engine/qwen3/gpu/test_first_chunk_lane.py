@@ -58,7 +58,7 @@ async def _run(bundle, defer: bool) -> tuple[dict[str, list[list[int]]], dict[st
         streams[rid].close_text()
         engine.core._emit(engine.core.step())
     for _ in range(400):
-        if not engine.scheduler.has_work() and not engine.core._text:
+        if not engine.core.has_work():
             break
         engine.core._emit(engine.core.step())
     audio = {rid: np.concatenate([float_samples(c.samples) async for c in s]) for rid, s in streams.items()}

@@ -60,7 +60,7 @@ async def _steps_block_only_to_read(tmp_path):
             stream.close_text()
         blocking = []
         for _ in range(60):
-            if not engine.scheduler.has_work() and not engine.core._text:
+            if not engine.core.has_work():
                 break
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

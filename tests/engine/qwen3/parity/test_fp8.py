@@ -352,7 +352,7 @@ async def test_engine_streams_greedy_audio_with_emulated_fp8_equal_to_offline_ge
     stream.push(TextSegment(text, char_start=0))
     stream.close_text()
     for _ in range(100):
-        if not engine.scheduler.has_work() and not engine.core._text:
+        if not engine.core.has_work():
             break
         engine.core._emit(engine.core.step())
     chunks = [c async for c in stream]
