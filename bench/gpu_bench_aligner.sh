@@ -11,7 +11,9 @@
 #              ALIGNER_CKPT (.cache/cadence-random-aligner), STREAMS (256: where sync's added TTFA is
 #              read), WARMUP_SECONDS (5), SKIP_PLAIN (set: keep an earlier bench-TAG-plain.json in OUTDIR),
 #              PYSPY_AT / PYSPY_FOR (sample the aligned server's stacks with py-spy, PYSPY_AT s into
-#              the async sweep),
+#              the async sweep), MODEL_TIMES (set: the random aligner's own word times instead of
+#              --aligner-forced-times, the benchmark's speech rate, with which sync probes confirm
+#              words as a trained model's do),
 #              TINY (set: tiny random checkpoints, a smoke run on a CPU: TINY=1 DEVICE=cpu CONC=1,2 POINT_SECONDS=3)
 set -u
 cd "$(dirname "$0")/.."
@@ -63,7 +65,8 @@ stop() {  # stop NAME
 if [ -z "${SKIP_PLAIN:-}" ]; then
   serve plain; sweep plain "$CONC"; stop plain
 fi
-serve aligner --aligner "$ALIGNER_CKPT"
+times=--aligner-forced-times; [ -z "${MODEL_TIMES:-}" ] || times=
+serve aligner --aligner "$ALIGNER_CKPT" $times
 if [ -n "${PYSPY_AT:-}" ]; then
   (sleep "$PYSPY_AT"; py-spy record --nonblocking --pid $server --subprocesses --duration "${PYSPY_FOR:-15}" --rate 200 \
      --format raw -o "$OUTDIR/pyspy-$tag-async.txt" > "$OUTDIR/pyspy-$tag-async.log" 2>&1) &

@@ -102,6 +102,13 @@ def _serve_parser() -> argparse.ArgumentParser:
         shown="none",
         default=_env("aligner", None),
     )
+    _switch(
+        p,
+        "--aligner-forced-times",
+        "benchmarks with random weights: the aligner runs as always, its words get the times of the "
+        "benchmark's speech rate (engine.alignment.forced_times), so sync probes behave as a trained model's",
+        env="CADENCE_ALIGNER_FORCED_TIMES",
+    )
     _option(p, "--device", "auto, cpu, cuda or cuda:N", env="CADENCE_DEVICE", default=_env("device", "auto"))
     _option(
         p,
@@ -289,6 +296,7 @@ def serve_main(argv: list[str]) -> int:
         name=args.engine,
         model=args.model,
         aligner=args.aligner,
+        aligner_forced_times=args.aligner_forced_times,
         device=args.device,
         dtype=args.dtype,
         eager=args.eager,

@@ -16,6 +16,7 @@ class EngineOptions:
     name: str = "espeak"
     model: str | None = None  # Qwen3-TTS checkpoint directory
     aligner: str | None = None  # Qwen3-ForcedAligner checkpoint directory
+    aligner_forced_times: bool = False  # benchmarks: words at the benchmark's speech rate (forced_times)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "fp8" (bf16 + FP8 talker linears)
     eager: bool = False  # no CUDA graphs
@@ -175,6 +176,7 @@ def build_qwen3(options: EngineOptions) -> Engine:
 def with_aligner(engine: Engine, options: EngineOptions) -> Engine:
     """Words from the Qwen3 forced aligner in `options.aligner` (loaded in start(), off the loop)."""
     from engine.alignment.engine import AlignedEngine
+    from engine.alignment.forced_times import ForcedTimesAligner
 
     def load_aligner() -> object:
         import torch
@@ -184,6 +186,7 @@ def with_aligner(engine: Engine, options: EngineOptions) -> Engine:
         device = options.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return Qwen3ForcedAligner.from_directory(options.aligner or "", device)
+        aligner = Qwen3ForcedAligner.from_directory(options.aligner or "", device)
+        return ForcedTimesAligner(aligner) if options.aligner_forced_times else aligner
 
     return AlignedEngine(engine, load_aligner)  # type: ignore[arg-type]

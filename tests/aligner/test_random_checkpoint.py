@@ -136,3 +136,27 @@ def test_the_full_tensor_names_and_shapes_are_the_references() -> None:
         for name, t in build_model(raw, "meta", 0, False).state_dict().items()
     }
     assert ours == theirs
+
+
+@pytest.mark.parametrize("forced", [False, True])
+async def test_serve_options_load_the_folder_with_forced_times_on_request(tiny: Path, forced: bool) -> None:
+    from cadence.cli import _serve_parser
+    from cadence.engines import EngineOptions, build_engine
+    from engine.alignment.forced_times import ForcedTimesAligner
+
+    flags = ["--aligner", str(tiny)] + (["--aligner-forced-times"] if forced else [])
+    args = _serve_parser().parse_args(flags)
+    assert args.aligner_forced_times is forced
+    options = EngineOptions(name="null", aligner=args.aligner, aligner_forced_times=forced, device="cpu")
+    engine = build_engine(options)
+    await engine.start()
+    try:
+        aligner = engine.worker.aligner  # type: ignore[attr-defined]
+    finally:
+        await engine.stop()
+    assert isinstance(aligner, ForcedTimesAligner) is forced
+    model = aligner.inner if forced else aligner
+    assert isinstance(model, Qwen3ForcedAligner)
+    (words,) = aligner.align([(noise(2.0, 24000, 1), 24000, "One two three.", "English")])
+    if forced:  # 14 characters a second: the last unit ends at 1.0 s, on the 80 ms grid
+        assert [(w.start_s, w.end_s) for w in words] == [(0.0, 0.24), (0.32, 0.48), (0.56, 0.96)]
