@@ -14,6 +14,8 @@
 #   bench/gpu_session.sh aligner-bench  # the aligner alone, with and without its CUDA graphs
 #   bench/gpu_session.sh small      # the 0.6B sweep
 #   bench/gpu_session.sh gpus       # two GPUs: bench/gpus.sh (the scaling ratio, one run)
+#   bench/gpu_session.sh ab         # this tree against .base (another commit), servers alternating:
+#                                   # bench/gpu_ab.sh (medians per build, new's ratio to base)
 # Copy the results into deploy/bench/ with the commands recorded in deploy/bench/README.md.
 set -u
 cd "$(dirname "$0")/.."
@@ -77,11 +79,15 @@ case "${1:-}" in
     SIZE=0.6B CKPT=.cache/cadence-random-0.6B CONC="${CONC:-1,256,512,capacity,2x}" POINT_SECONDS="${POINT_SECONDS:-10}" \
       run 590 e2e-0.6b bash bench/gpu_bench_e2e.sh
     ;;
+  ab)
+    checkpoint
+    TAIL=20 run 590 ab bash bench/gpu_ab.sh
+    ;;
   gpus)
     checkpoint
     TAIL=20 run 590 gpus bash bench/gpus.sh "$CKPT" "$OUTDIR"
     ;;
   *)
-    sed -n '2,17p' "$0"; exit 2
+    sed -n '2,19p' "$0"; exit 2
     ;;
 esac
