@@ -13,7 +13,7 @@ ROOT=$PWD
 BASE="$(realpath -m "${BASE:-.base}")"; [ -f "$BASE/bench/gpu_bench_e2e.sh" ] || { echo "gpu_ab: no tree at $BASE"; exit 2; }
 OUTDIR="$(realpath -m "${OUTDIR:-${OUT:-./bench-out}}")"; mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"; SIZE="${SIZE:-1.7B}"; DEVICE="${DEVICE:-cuda}"
-case "$PY" in */*) PY="$(realpath -m "$PY")" ;; esac  # the servers run from either tree
+case "$PY" in */*) PY="$(realpath -s -m "$PY")" ;; esac  # the servers run from either tree
 export PYTHON="$PY"
 export CKPT="$(realpath -m "${CKPT:-.cache/cadence-random-$SIZE}")"
 export SKIP_REF=1 SIZE DEVICE CONC="${CONC:-1,512,768}" POINT_SECONDS="${POINT_SECONDS:-8}"

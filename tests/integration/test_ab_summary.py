@@ -75,3 +75,47 @@ def test_gpu_ab_refuses_a_missing_base_tree(tmp_path: Path):
         timeout=60,
     )
     assert done.returncode == 2 and "no tree at" in done.stdout
+
+
+def test_gpu_ab_serves_each_tree_in_turn_on_a_cpu(tmp_path: Path):
+    """The whole chain at tiny shapes: a copy of this tree as the base, each build served from its
+    own tree (its packages first on the path) through bench/gpu_bench_e2e.sh, then the summary."""
+    import shutil
+    import sys
+
+    base = tmp_path / "base"
+    for name in ("engine", "cadence", "gateway", "clients", "aligner", "bench", "scripts"):
+        shutil.copytree(ROOT / name, base / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (base / "deploy" / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "deploy" / "bench" / "corpus.jsonl", base / "deploy" / "bench")
+    server = base / "gateway" / "server.py"  # the base tree's server says which tree it is
+    server.write_text(
+        server.read_text().replace("no API keys configured", "base tree: no API keys configured")
+    )
+    out = tmp_path / "out"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PYTHON": sys.executable,
+        "BASE": str(base),
+        "OUTDIR": str(out),
+        "SIZE": "tiny",
+        "DEVICE": "cpu",
+        "CKPT": str(tmp_path / "ckpt"),
+        "CONC": "1",
+        "POINT_SECONDS": "1",
+        "ORDER": "base new",
+        "EACH": "240",
+        "PORT": "8797",
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_ab.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    ab = json.loads((out / "ab.json").read_text())
+    assert set(ab["runs"]) == {"base-1", "new-2"} and ab["left_out"] == []
+    assert {b: m["runs"] for b, m in ab["medians"]["1"].items()} == {"base": 1, "new": 1}
+    assert ab["new_over_base"]["1"]["audio_s_per_s"] > 0
+    # each server ran from its own tree
+    assert "base tree: no API keys" in (out / "serve-base-1.log").read_text()
+    assert "base tree" not in (out / "serve-new-2.log").read_text()
