@@ -6,8 +6,8 @@ at the start of each step, so a cancel takes effect at the next step. A step rea
 came since the last one (`prepare` or, all in one batch, `prepare_batch`: e.g. prompt embeddings)
 before it plans; text that comes while a step runs is readied while the runner waits for the GPU
 (`while_waiting`), so the next step only hands it to the scheduler and the host's work between
-two steps' GPU launches stays short. The step loop runs in its own thread and sleeps on a condition when there is
-nothing to do.
+two steps' GPU launches stays short. The step loop runs in its own thread and sleeps on a
+condition when there is nothing to do.
 """
 
 from __future__ import annotations
