@@ -4,6 +4,8 @@
 #   git archive REV engine cadence gateway clients aligner bench scripts pyproject.toml deploy/bench/corpus.jsonl | tar -x -C .base
 # carried beside this tree), one after the other in ORDER, each through bench/gpu_bench_e2e.sh on one
 # random checkpoint; then bench/ab_summary.py sets the runs side by side (medians per build) in ab.json.
+# The servers need neither py-spy nor redis-server: where the carried files have a size limit, leave
+# .whl/py_spy-*.whl and .whl/bin behind to make room for the base tree.
 # Environment: BASE (.base), ORDER ("base new base new"), CONC (1,512,768), POINT_SECONDS (8), EACH
 #              (150: the seconds one server may take, start-up included), OUTDIR ($OUT or ./bench-out),
 #              and bench/gpu_bench_e2e.sh's (SIZE, DEVICE, CKPT, SERVE_ARGS, ...)
