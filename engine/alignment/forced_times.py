@@ -5,10 +5,13 @@ audio grows, so sync mode's probes never confirm a word and every sync stream wa
 segments: the benchmark would measure a model no one deploys. `ForcedTimesAligner` runs the wrapped
 aligner as always (its compute, batching and failures unchanged) and then gives each unit the time
 a voice speaking at the benchmark's rate would give it: the shared benchmark definition's 14
-characters a second, 4.5 for CJK ideographs, the rates the corpus's forced lengths come from. Times
-fall on the aligner's 80 ms slots, and units past the audio's end sit at its end, as a forced
-aligner places the text the audio does not hold yet. A benchmark mode (`cadence serve
---aligner-forced-times`), never a deployment's: the times describe the text, not the audio.
+characters a second, 4.5 for CJK ideographs, the rates the corpus's forced lengths come from. Units
+past the audio's end sit at its end, as a forced aligner places the text the audio does not hold
+yet. Times are not rounded to the model's 80 ms slots: a trained model's slot for a word follows the
+sound, wherever its window starts, while a time computed from the characters after a window's
+start would move with that start's rounding, and two probes over different windows would disagree
+where a trained model agrees. A benchmark mode (`cadence serve --aligner-forced-times`), never a
+deployment's: the times describe the text, not the audio.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from engine.alignment.api import AlignedWord, Aligner, AlignInput
 
 CHARS_PER_S = 14.0  # the benchmark's speech rate: English and other alphabetic text
 IDEOGRAPHS_PER_S = 4.5  # Chinese, Japanese kanji
-SLOT_S = 0.08  # the Qwen3 forced aligner's time resolution
 
 
 def _is_ideograph(ch: str) -> bool:
@@ -37,18 +39,13 @@ def speech_offsets(text: str) -> list[float]:
     return out
 
 
-def _on_slot(seconds: float) -> float:
-    return round(round(seconds / SLOT_S) * SLOT_S, 3)
-
-
 def forced_words(words: Sequence[AlignedWord], text: str, audio_s: float) -> list[AlignedWord]:
     """The aligner's units of `text` with their times at the benchmark's rate, within `audio_s`."""
     offsets = speech_offsets(text)
-    end = _on_slot(audio_s)
     out = []
     for w in words:
-        start = min(end, _on_slot(offsets[w.char_start]))
-        stop = min(end, max(start, _on_slot(offsets[w.char_end])))
+        start = round(min(audio_s, offsets[w.char_start]), 3)
+        stop = round(min(audio_s, max(start, offsets[w.char_end])), 3)
         out.append(AlignedWord(w.text, start, stop, w.char_start, w.char_end))
     return out
 

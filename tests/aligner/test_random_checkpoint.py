@@ -158,5 +158,5 @@ async def test_serve_options_load_the_folder_with_forced_times_on_request(tiny: 
     model = aligner.inner if forced else aligner
     assert isinstance(model, Qwen3ForcedAligner)
     (words,) = aligner.align([(noise(2.0, 24000, 1), 24000, "One two three.", "English")])
-    if forced:  # 14 characters a second: the last unit ends at 1.0 s, on the 80 ms grid
-        assert [(w.start_s, w.end_s) for w in words] == [(0.0, 0.24), (0.32, 0.48), (0.56, 0.96)]
+    if forced:  # 14 characters a second: the last unit ends at 1.0 s
+        assert [(w.start_s, w.end_s) for w in words] == [(0.0, 0.214), (0.286, 0.5), (0.571, 1.0)]

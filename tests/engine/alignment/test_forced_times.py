@@ -1,6 +1,6 @@
-"""Forced word times (the benchmark's aligner mode): the benchmark's speech rate on the aligner's
-slots, the wrapped aligner still run; and with them a random aligner's sync probes confirm words, so
-first audio comes while the first segment is being made."""
+"""Forced word times (the benchmark's aligner mode): the benchmark's speech rate, the same across
+windows cut at a word, the wrapped aligner still run; and with them a random aligner's sync probes
+confirm words, so first audio comes while the first segment is being made."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_offsets_follow_the_benchmarks_rates():
     assert chinese[-1] == pytest.approx(9 / 4.5 + 1 / 14)
 
 
-def test_units_land_on_slots_and_the_untold_ones_at_the_audios_end():
+def test_units_take_the_rate_and_the_untold_ones_sit_at_the_audios_end():
     text = "Sure, I can help you with that today."
     units = [(t, text.index(t)) for t in ("Sure,", "I", "can", "help", "you", "today.")]
     words = [AlignedWord(t, 9.0, 9.5, at, at + len(t)) for t, at in units]  # the model's: noise
@@ -35,18 +35,33 @@ def test_units_land_on_slots_and_the_untold_ones_at_the_audios_end():
     assert [(w.text, w.char_start, w.char_end) for w in got] == [
         (w.text, w.char_start, w.char_end) for w in words
     ]
-    # 14 characters a second on the 80 ms grid; "you" starts past the audio, "today." too: at its end
+    # 14 characters a second; "you" starts past the audio, "today." too: at its end
     assert [(w.start_s, w.end_s) for w in got] == [
-        (0.0, 0.32),
-        (0.4, 0.48),
-        (0.56, 0.8),
-        (0.88, 1.12),
+        (0.0, 0.357),
+        (0.429, 0.5),
+        (0.571, 0.786),
+        (0.857, 1.143),
         (1.2, 1.2),
         (1.2, 1.2),
     ]
     # the same words in a longer window keep their times: what lets two probes agree
     longer = forced_words(words, text, audio_s=2.0)
     assert [(w.start_s, w.end_s) for w in longer[:4]] == [(w.start_s, w.end_s) for w in got[:4]]
+
+
+def test_a_window_cut_after_a_word_times_the_rest_as_the_whole_text_did():
+    """A probe after a cut sees the text from the last timed word's end and the audio from that
+    word's end time: the next words keep the times they had in the window before the cut."""
+    text = "Please arrive fifteen minutes early."
+    spans = [(text.index(t), text.index(t) + len(t)) for t in text.split()]
+    whole = forced_words([AlignedWord(text[a:b], 0, 0, a, b) for a, b in spans], text, audio_s=5.0)
+    cut_char, cut_s = spans[0][1], whole[0].end_s  # "Please" timed: the rest starts at its end
+    rest = text[cut_char:]
+    rest_words = [AlignedWord(text[a:b], 0, 0, a - cut_char, b - cut_char) for a, b in spans[1:]]
+    after = forced_words(rest_words, rest, audio_s=5.0 - cut_s)
+    for before, later in zip(whole[1:], after, strict=True):
+        assert later.start_s + cut_s == pytest.approx(before.start_s, abs=0.002)
+        assert later.end_s + cut_s == pytest.approx(before.end_s, abs=0.002)
 
 
 def test_the_wrapped_aligner_runs_and_lends_its_other_attributes():
@@ -56,7 +71,7 @@ def test_the_wrapped_aligner_runs_and_lends_its_other_attributes():
     (words,) = forced.align([(audio, 16_000, "One two three.", "English")])
     assert inner.batches == [["One two three."]]  # the model's call happens as always
     assert [w.text for w in words] == ["One", "two", "three."]
-    assert [(w.start_s, w.end_s) for w in words] == [(0.0, 0.24), (0.32, 0.48), (0.56, 0.96)]
+    assert [(w.start_s, w.end_s) for w in words] == [(0.0, 0.214), (0.286, 0.5), (0.571, 1.0)]
     assert forced.max_audio_s == inner.max_audio_s and forced.batches is inner.batches
 
 
