@@ -2,7 +2,9 @@
 first audio and whether the listener keeps playing.
 
 The real `AlignmentTracker` receives one utterance's audio as the Qwen3 engine makes it (chunks of
-1, 2, 4, 8, 16, then 25 frames of 80 ms, at `--speed` times real time) and its jobs are answered
+80 ms frames growing 1, 2, 4, ... up to `--largest`, 8 by default as the engine makes sync streams'
+(engine.alignment.engine.SYNC_SCHEDULE), 25 as it makes the others', at `--speed` times real time)
+and its jobs are answered
 `--latency-ms` after they are asked, with the words a trained aligner would give: each unit at the
 benchmark's speech rate (engine.alignment.forced_times), units past the window's audio at its end.
 The engine's own words come with the segment's last chunk, as the Qwen3 engine's estimates do.
@@ -10,10 +12,11 @@ The engine's own words come with the segment's last chunk, as the Qwen3 engine's
 Per case: the added time to first audio (the first release against the first frame made), and the
 listener's playback from the first release with a `--buffer-ms` jitter buffer: how late the latest
 sample came against its playback time (above zero: the listener ran dry), and the releases. Cases
-are the product of `--speed`, `--latency-ms` and the corpus's English prompts (`--prompts`), each
-one segment, as the gateway sends a prompt that holds no clause break within its first words.
+are the product of `--largest`, `--speed`, `--latency-ms` and the corpus's English prompts
+(`--prompts`), each one segment, as the gateway sends a prompt that holds no clause break within its
+first words.
 
-    .venv/bin/python -m bench.sync_release_sim --speed 2,3,4 --latency-ms 30,60,120
+    .venv/bin/python -m bench.sync_release_sim --largest 25,8 --speed 2,3,4 --latency-ms 30,60,120
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 from aligner.text import UnitSplitter, display_spans  # noqa: E402
 from engine.alignment.api import AlignedWord  # noqa: E402
+from engine.alignment.engine import SYNC_SCHEDULE  # noqa: E402
 from engine.alignment.forced_times import forced_words, speech_offsets  # noqa: E402
 from engine.alignment.track import AlignJob, AlignmentTracker  # noqa: E402
-from engine.api import AudioChunk, TextSegment, WordTiming  # noqa: E402
+from engine.api import AudioChunk, ChunkSchedule, TextSegment, WordTiming  # noqa: E402
+from engine.qwen3.scheduler import chunk_frames  # noqa: E402
 
 RATE = 24_000
 FRAME = RATE * 80 // 1000
-CHUNKS = (1, 2, 4, 8, 16)  # then 25 frames a chunk: the engine's default schedule
 SPLITTER = UnitSplitter()
 
 
@@ -59,14 +63,16 @@ def estimates(text: str) -> tuple[WordTiming, ...]:
     )
 
 
-def simulate(text: str, speed: float, latency_s: float, buffer_s: float) -> dict[str, Any]:
+def simulate(
+    text: str, speed: float, latency_s: float, buffer_s: float, schedule: ChunkSchedule = SYNC_SCHEDULE
+) -> dict[str, Any]:
     frames = max(1, round(len(text) / 14 / 0.08))  # the corpus's forced length: 14 characters a second
     tracker = AlignmentTracker("r", "English", RATE, max_window_s=400.0, mode="sync")
     tracker.push(TextSegment(text, 0))
     events: list[tuple[float, int, str, Any]] = []  # (time, order, kind, payload)
     made, k, order = 0, 0, 0
     while made < frames:  # the engine's chunks, at `speed` times real time
-        n = min(CHUNKS[k] if k < len(CHUNKS) else 25, frames - made)
+        n = min(chunk_frames(schedule, k), frames - made)
         made += n
         k += 1
         events.append((made * 0.08 / speed, order, "chunk", made))
@@ -116,6 +122,11 @@ def prompts(corpus: Path, count: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--largest",
+        default=str(SYNC_SCHEDULE.largest),
+        help="the chunks' largest size in frames, comma-separated",
+    )
     ap.add_argument("--speed", default="2,3,4", help="audio made per second of wall time, comma-separated")
     ap.add_argument(
         "--latency-ms", default="30,60,120", help="an alignment job's answer time, comma-separated"
@@ -127,21 +138,29 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     texts = prompts(args.corpus, args.prompts)
     results = []
-    for speed in (float(s) for s in args.speed.split(",")):
-        for latency in (float(ms) for ms in args.latency_ms.split(",")):
-            cases = [simulate(t, speed, latency / 1000, args.buffer_ms / 1000) for t in texts]
-            summary = {
-                "speed": speed,
-                "latency_ms": latency,
-                "prompts": len(cases),
-                "added_ttfa_ms_p50": statistics.median(c["added_ttfa_ms"] for c in cases),
-                "added_ttfa_ms_max": max(c["added_ttfa_ms"] for c in cases),
-                "ran_dry_pct": round(100 * sum(c["ran_dry"] for c in cases) / len(cases), 1),
-                "latest_ms_max": max(c["latest_ms"] for c in cases),
-                "releases_p50": statistics.median(c["releases"] for c in cases),
-            }
-            results.append(summary)
-            print(json.dumps(summary))
+    grid = [
+        (int(largest), float(speed), float(latency))
+        for largest in args.largest.split(",")
+        for speed in args.speed.split(",")
+        for latency in args.latency_ms.split(",")
+    ]
+    for largest, speed, latency in grid:
+        schedule = ChunkSchedule(largest=largest)
+        cases = [simulate(t, speed, latency / 1000, args.buffer_ms / 1000, schedule) for t in texts]
+        summary = {
+            "largest": largest,
+            "speed": speed,
+            "latency_ms": latency,
+            "prompts": len(cases),
+            "added_ttfa_ms_p50": statistics.median(c["added_ttfa_ms"] for c in cases),
+            "added_ttfa_ms_max": max(c["added_ttfa_ms"] for c in cases),
+            "ran_dry_pct": round(100 * sum(c["ran_dry"] for c in cases) / len(cases), 1),
+            "latest_ms_max": max(c["latest_ms"] for c in cases),
+            "releases_p50": statistics.median(c["releases"] for c in cases),
+            "jobs_p50": statistics.median(c["jobs"] for c in cases),
+        }
+        results.append(summary)
+        print(json.dumps(summary))
     if args.out is not None:
         command = " ".join(["python -m bench.sync_release_sim", *(sys.argv[1:] if argv is None else argv)])
         args.out.write_text(json.dumps({"command": command, "results": results}, indent=1))

@@ -37,6 +37,7 @@ from engine.alignment.worker import AlignerWorker
 from engine.api import (
     AudioChunk,
     ChunkListener,
+    ChunkSchedule,
     Engine,
     EngineError,
     EngineInfo,
@@ -52,6 +53,11 @@ from engine.api import (
 from engine.bridge import ChunkChannel
 
 MAX_ALIGNED_STREAMS = 1 << 16  # admission's upper bound; the measured cost is the real one
+# Sync streams' audio chunks stop growing at 8 frames: a probe runs when a chunk arrives, and
+# releases only what two probes agree on, so 2-second chunks leave a listener with the first words'
+# audio and nothing until the next chunk (bench/sync_release_sim.py); the default schedule's larger
+# chunks serve the other streams' throughput
+SYNC_SCHEDULE = ChunkSchedule(largest=8)
 
 
 class AlignedStream(SynthesisStream):
@@ -297,6 +303,8 @@ class AlignedEngine:
         mode = request.word_alignment or self.default_mode
         if mode not in ALIGNMENT_MODES:
             raise InvalidRequest(f"word_alignment must be one of {', '.join(ALIGNMENT_MODES)}")
+        if mode == "sync" and request.schedule == ChunkSchedule():
+            request = dataclasses.replace(request, schedule=SYNC_SCHEDULE)
         stream = AlignedStream(self, request, mode)
         if mode != "off":
             stream.ticket = self.admission.arrive(

@@ -182,3 +182,23 @@ async def test_open_before_start_is_refused():
     await engine.start()  # the factory is called here
     assert engine.load().ready
     await engine.stop()
+
+
+async def test_sync_streams_ask_the_engine_for_chunks_of_at_most_eight_frames(engines):
+    from engine.alignment.engine import SYNC_SCHEDULE
+    from engine.api import ChunkSchedule
+
+    inner = FakeEngine(chunk_ms=40)
+    engine = await engines(inner, SpreadAligner())
+    own = ChunkSchedule(first=2, largest=16)
+    asked = {
+        "sync": SynthesisRequest(request_id="s", word_alignment="sync"),
+        "async": SynthesisRequest(request_id="a", word_alignment="async"),
+        "own": SynthesisRequest(request_id="o", word_alignment="sync", schedule=own),
+    }
+    streams = [engine.open(request) for request in asked.values()]
+    got = {s.request.request_id: s.request.schedule for s in inner.streams}
+    assert SYNC_SCHEDULE == ChunkSchedule(largest=8)
+    assert got == {"s": SYNC_SCHEDULE, "a": ChunkSchedule(), "o": own}  # a schedule asked for is kept
+    for stream in streams:
+        stream.cancel()
