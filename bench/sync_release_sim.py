@@ -22,6 +22,7 @@ first words.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import statistics
 import sys
@@ -66,7 +67,7 @@ def estimates(text: str) -> tuple[WordTiming, ...]:
 def simulate(
     text: str, speed: float, latency_s: float, buffer_s: float, schedule: ChunkSchedule = SYNC_SCHEDULE
 ) -> dict[str, Any]:
-    frames = max(1, round(len(text) / 14 / 0.08))  # the corpus's forced length: 14 characters a second
+    frames = max(1, round(speech_offsets(text)[-1] / 0.08))  # the corpus's forced length
     tracker = AlignmentTracker("r", "English", RATE, max_window_s=400.0, mode="sync")
     tracker.push(TextSegment(text, 0))
     events: list[tuple[float, int, str, Any]] = []  # (time, order, kind, payload)
@@ -75,7 +76,7 @@ def simulate(
         n = min(chunk_frames(schedule, k), frames - made)
         made += n
         k += 1
-        events.append((made * 0.08 / speed, order, "chunk", made))
+        heapq.heappush(events, (made * 0.08 / speed, order, "chunk", made))
         order += 1
     first_frame_s = 0.08 / speed
     releases: list[tuple[float, int, int]] = []  # (time, first sample, samples)
@@ -83,8 +84,7 @@ def simulate(
     sent = 0
     jobs = 0
     while events:
-        events.sort(key=lambda e: (e[0], e[1]))
-        now, _, kind, payload = events.pop(0)
+        now, _, kind, payload = heapq.heappop(events)
         if kind == "chunk":
             end = payload * FRAME
             final = payload == frames
@@ -93,7 +93,7 @@ def simulate(
             out, new_jobs = tracker.on_chunk(chunk)
             for job in new_jobs:
                 jobs += 1
-                events.append((now + latency_s, order, "answer", job))
+                heapq.heappush(events, (now + latency_s, order, "answer", job))
                 order += 1
         else:
             out = tracker.on_aligned(payload, trained(payload))
