@@ -13,6 +13,8 @@
 #   bench/gpu_session.sh aligner    # the sweep without the aligner, then with it (async, sync)
 #   bench/gpu_session.sh aligner-bench  # the aligner alone, with and without its CUDA graphs
 #   bench/gpu_session.sh small      # the 0.6B sweep
+#   bench/gpu_session.sh sizes      # the 1.7B, then the 0.6B, with the same KV slots (KV_MEMORY, 0.4:
+#                                   # more than either's step admits, so each one's own cost bounds it)
 #   bench/gpu_session.sh gpus       # two GPUs: bench/gpus.sh (the scaling ratio, one run)
 #   bench/gpu_session.sh ab         # this tree against .base (another commit), servers alternating:
 #                                   # bench/gpu_ab.sh (medians per build, new's ratio to base)
@@ -79,6 +81,14 @@ case "${1:-}" in
     SIZE=0.6B CKPT=.cache/cadence-random-0.6B CONC="${CONC:-1,256,512,capacity,2x}" POINT_SECONDS="${POINT_SECONDS:-10}" \
       run 590 e2e-0.6b bash bench/gpu_bench_e2e.sh
     ;;
+  sizes)
+    checkpoint; checkpoint 0.6B .cache/cadence-random-0.6B; export SKIP_REF=1
+    for size in 1.7B 0.6B; do
+      SIZE=$size CKPT=.cache/cadence-random-$size TAG=$(echo "$size" | tr 'A-Z' 'a-z')-kv-${KV_MEMORY:-0.4} \
+        SERVE_ARGS="--kv-memory ${KV_MEMORY:-0.4}" CONC="${CONC:-512,capacity,1.5x}" \
+        POINT_SECONDS="${POINT_SECONDS:-8}" run 290 "e2e-$size" bash bench/gpu_bench_e2e.sh
+    done
+    ;;
   ab)
     checkpoint
     TAIL=20 run 590 ab bash bench/gpu_ab.sh
@@ -88,6 +98,6 @@ case "${1:-}" in
     TAIL=20 run 590 gpus bash bench/gpus.sh "$CKPT" "$OUTDIR"
     ;;
   *)
-    sed -n '2,19p' "$0"; exit 2
+    sed -n '2,21p' "$0"; exit 2
     ;;
 esac
