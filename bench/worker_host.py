@@ -17,7 +17,11 @@ chunk alone, and the step interval's p50/p90. The hand-off time rides in the chu
 samples, 15 bits each, in a form the int16 PCM of the wire keeps (the bench's audio is silence;
 both processes read the same monotonic clock). `--beside-ms HOST,WAIT` adds a thread to the worker
 that holds the GIL HOST ms then waits WAIT ms, over and over, as the aligner's calls do beside the
-step thread; `--switch-interval-ms` sets the worker's GIL switch interval.
+step thread; `--switch-interval-ms` sets the worker's GIL switch interval. `--aligned MODE` serves
+the engine behind the real aligner stage (engine.alignment: tracker, worker thread, admission, forced
+times) with a stand-in aligner whose call holds the GIL `--aligner-host-ms`, then waits with it
+released as the aligner's GPU work takes (`--aligner-gpu-ms BASE,PER_JOB`), and times the text's
+real units; each request then asks for that alignment mode.
 
     .venv/bin/python -m bench.worker_host --streams 64,256,512 --gpu-ms 30 --seconds 8
 """
@@ -64,6 +68,7 @@ from engine.qwen3.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from engine.workers import WorkerPoolEngine, WorkerSpec  # noqa: E402
 
 PROMPT_LEN = 40
+TEXT = "Hello there, and thank you for calling. Your order shipped this morning and should arrive on Friday."
 
 
 _STAMP_SAMPLES = 4  # 15 bits each: microseconds of the monotonic clock
@@ -252,25 +257,67 @@ def _beside(host_s: float, wait_s: float) -> None:
         time.sleep(wait_s)
 
 
+class StandInAligner:
+    """An aligner's costs without a model: a call holds the GIL `host_s` (its inputs readied), then
+    waits with it released `gpu_s + gpu_per_job_s` per job (its GPU work), and gives the text's
+    real units (their times come from engine.alignment.forced_times)."""
+
+    max_audio_s = 300.0
+
+    def __init__(self, host_s: float, gpu_s: float, gpu_per_job_s: float) -> None:
+        from aligner.text import UnitSplitter
+
+        self.host_s, self.gpu_s, self.gpu_per_job_s = host_s, gpu_s, gpu_per_job_s
+        self.splitter = UnitSplitter()
+
+    def align(self, batch: Any) -> list[list[Any]]:
+        from aligner.text import display_spans, locate_units
+        from engine.alignment.api import AlignedWord
+
+        until = time.perf_counter() + self.host_s
+        n = 0
+        while time.perf_counter() < until:
+            n += sum(range(64))
+        time.sleep(self.gpu_s + self.gpu_per_job_s * len(batch))
+        out = []
+        for _, _, text, language in batch:
+            units = self.splitter.words(text, language)
+            spans = display_spans(text, locate_units(text, units))
+            out.append([AlignedWord(text[a:b], 0.0, 0.0, a, b) for a, b in spans])
+        return out
+
+
 def build(
     streams: int,
     gpu_ms: float,
     switch_interval_ms: float | None,
     window_s: float = 0.0,
     beside_ms: tuple[float, float] | None = None,
-) -> HostOnlyEngine:
+    aligner_ms: tuple[float, float, float] | None = None,
+) -> Any:
     if switch_interval_ms:
         sys.setswitchinterval(switch_interval_ms / 1000)
     if beside_ms is not None:
         host_ms, wait_ms = beside_ms
         threading.Thread(target=_beside, args=(host_ms / 1000, wait_ms / 1000), daemon=True).start()
-    return HostOnlyEngine(streams, gpu_ms, window_s)
+    engine = HostOnlyEngine(streams, gpu_ms, window_s)
+    if aligner_ms is None:
+        return engine
+    from engine.alignment.engine import AlignedEngine
+    from engine.alignment.forced_times import ForcedTimesAligner
+
+    host, base, per_job = (ms / 1000 for ms in aligner_ms)
+    return AlignedEngine(engine, ForcedTimesAligner(StandInAligner(host, base, per_job)))  # type: ignore[arg-type]
 
 
 async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     beside = tuple(float(v) for v in args.beside_ms.split(",")) if args.beside_ms else None
+    aligner_ms = None
+    if args.aligned:
+        base, per_job = (float(v) for v in args.aligner_gpu_ms.split(","))
+        aligner_ms = (args.aligner_host_ms, base, per_job)
     build_engine = functools.partial(
-        build, streams, args.gpu_ms, args.switch_interval_ms, args.seconds, beside
+        build, streams, args.gpu_ms, args.switch_interval_ms, args.seconds, beside, aligner_ms
     )
     pool = WorkerPoolEngine([WorkerSpec(build_engine, dict(os.environ))])
     await pool.start()
@@ -284,8 +331,11 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     async def one_client() -> None:
         nonlocal samples
         while not stop.is_set():
-            stream = pool.open(SynthesisRequest(request_id=f"r{next(ids)}", forced_frames=args.frames))
-            stream.push(TextSegment("Hello there.", char_start=0))
+            request = SynthesisRequest(
+                request_id=f"r{next(ids)}", forced_frames=args.frames, word_alignment=args.aligned or None
+            )
+            stream = pool.open(request)
+            stream.push(TextSegment(TEXT, char_start=0))
             stream.close_text()
             first = True
             try:
@@ -311,7 +361,8 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
     measuring = True
     await asyncio.sleep(args.seconds)
     measuring = False
-    after = pool.load().extra, samples, time.perf_counter(), os.times()
+    end_load = pool.load()
+    after = end_load.extra, samples, time.perf_counter(), os.times()
     stop.set()
     await pool.stop()
     for task in clients:
@@ -323,6 +374,7 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         "gpu_ms": args.gpu_ms,
         "switch_interval_ms": args.switch_interval_ms or 5.0,
         "beside_ms": args.beside_ms or None,
+        "aligned": args.aligned or None,
         "steps_per_s": round(steps / wall, 1),
         "ideal_steps_per_s": round(1000 / args.gpu_ms, 1),
         "step_interval_ms": round(1000 * wall / max(1.0, steps), 2),
@@ -337,6 +389,8 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         **percentiles_ms(latencies, "handoff"),
         **percentiles_ms(first_latencies, "first_handoff"),
         "first_chunks": len(first_latencies),
+        "active_at_end": end_load.active,
+        **{k: round(v, 1) for k, v in after[0].items() if k in ("aligner_capacity", "aligner_streams", "aligner_jobs")},
     }
 
 
@@ -354,6 +408,9 @@ def main() -> None:
         help="HOST,WAIT: a thread beside the step thread holds the GIL HOST ms, then waits WAIT ms, "
         "over and over (the aligner's calls)",
     )
+    ap.add_argument("--aligned", choices=("async", "sync"), default=None, help="behind the aligner stage")
+    ap.add_argument("--aligner-host-ms", type=float, default=3.0, help="a call's host work, GIL held")
+    ap.add_argument("--aligner-gpu-ms", default="10,0.8", help="BASE,PER_JOB: a call's wait on the GPU")
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args()
     rows = [asyncio.run(level(int(n), args)) for n in args.streams.split(",")]
