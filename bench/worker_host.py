@@ -390,7 +390,11 @@ async def level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         **percentiles_ms(first_latencies, "first_handoff"),
         "first_chunks": len(first_latencies),
         "active_at_end": end_load.active,
-        **{k: round(v, 1) for k, v in after[0].items() if k in ("aligner_capacity", "aligner_streams", "aligner_jobs")},
+        **{
+            k: round(v, 1)
+            for k, v in after[0].items()
+            if k in ("aligner_capacity", "aligner_streams", "aligner_jobs")
+        },
     }
 
 
