@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -325,9 +326,9 @@ class Qwen3ForcedAligner:
 
     @_on_own_stream
     @torch.inference_mode()
-    def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
-        if not batch:
-            return []
+    def submit(self, batch: Sequence[AlignInput]) -> QueuedCall:
+        """Ready a batch and queue its device work, its slot classes' copy to the host included;
+        nothing here waits on the device, so the next batch can be readied while this one runs."""
         began = time.perf_counter()
         waves = model_audio([(audio, rate) for audio, rate, _, _ in batch])
         for wave in waves:
@@ -338,16 +339,28 @@ class Qwen3ForcedAligner:
             if len(wave) < HOP:
                 raise ValueError("aligner input is shorter than 10 ms")
         words = [self.splitter.words(text, language) for _, _, text, language in batch]
-        classes, slots = self._launch(waves, words)
+        classes, slots = self._launch(waves, words) if batch else (torch.zeros(0, dtype=torch.long), [])
+        done: torch.cuda.Event | None = None
+        if classes.device.type == "cuda":
+            host = torch.empty(classes.shape, dtype=classes.dtype, pin_memory=True)
+            host.copy_(classes, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            classes = host
         # While the device works: where every unit lies in the client's text.
         spans = [
             display_spans(text, locate_units(text, units))
             for (_, _, text, _), units in zip(batch, words, strict=True)
         ]
+        return QueuedCall(list(batch), spans, classes, slots, done, time.perf_counter() - began)
+
+    def collect(self, call: QueuedCall) -> list[list[AlignedWord]]:
+        """The words of a submitted batch, once its device work is done."""
         waited = time.perf_counter()
-        classes = classes.cpu()
+        if call.done is not None:
+            call.done.synchronize()
         read = time.perf_counter()
-        times = self._repaired(classes, slots)
+        times = self._repaired(call.classes, call.slots)
         aligned = [
             [
                 AlignedWord(
@@ -359,7 +372,28 @@ class Qwen3ForcedAligner:
                 )
                 for i, (start, end) in enumerate(item_spans)
             ]
-            for (_, _, text, _), item_spans, slot_ms in zip(batch, spans, times, strict=True)
+            for (_, _, text, _), item_spans, slot_ms in zip(call.batch, call.spans, times, strict=True)
         ]
-        self.phases.add(waited - began, read - waited, time.perf_counter() - read)
+        self.phases.add(call.prepare_s, read - waited, time.perf_counter() - read)
         return aligned
+
+    def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
+        if not batch:
+            return []
+        return self.collect(self.submit(batch))
+
+
+@dataclass(slots=True)
+class QueuedCall:
+    """A submitted batch: its inputs, every unit's place in its text, the slot classes (on the host
+    once `done` has passed) and each item's slot count."""
+
+    batch: list[AlignInput]
+    spans: list[list[tuple[int, int]]]
+    classes: torch.Tensor
+    slots: list[int]
+    done: torch.cuda.Event | None  # recorded behind the classes' copy to the host (CUDA only)
+    prepare_s: float
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()

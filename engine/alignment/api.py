@@ -57,3 +57,33 @@ class Aligner(Protocol):
         ...
 
     def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]: ...
+
+
+class AlignerCall(Protocol):
+    """A batch whose device work is queued (`SplitAligner.submit`)."""
+
+    def ready(self) -> bool:
+        """The device is done with it: `collect` returns without waiting."""
+        ...
+
+
+@dataclass(slots=True)
+class DeferredCall:
+    """The batch of an aligner that does not split its calls: all its work is done when collected."""
+
+    batch: list[AlignInput]
+
+    def ready(self) -> bool:
+        return True
+
+
+@runtime_checkable
+class SplitAligner(Aligner, Protocol):
+    """An aligner whose call splits in two: `submit` readies a batch on the host and queues its
+    device work, `collect` waits for that work and builds the words. `align(b)` is
+    `collect(submit(b))`; a caller that submits the next batch before collecting this one keeps
+    the device busy while the host readies it (engine.alignment.worker)."""
+
+    def submit(self, batch: Sequence[AlignInput]) -> AlignerCall: ...
+
+    def collect(self, call: AlignerCall) -> list[list[AlignedWord]]: ...

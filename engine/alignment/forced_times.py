@@ -17,9 +17,10 @@ deployment's: the times describe the text, not the audio.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from engine.alignment.api import AlignedWord, Aligner, AlignInput
+from engine.alignment.api import AlignedWord, Aligner, AlignerCall, AlignInput, DeferredCall, SplitAligner
 
 CHARS_PER_S = 14.0  # the benchmark's speech rate: English and other alphabetic text
 IDEOGRAPHS_PER_S = 4.5  # Chinese, Japanese kanji
@@ -50,6 +51,15 @@ def forced_words(words: Sequence[AlignedWord], text: str, audio_s: float) -> lis
     return out
 
 
+@dataclass(slots=True)
+class _Forced:
+    inner: AlignerCall
+    batch: list[AlignInput]
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+
 class ForcedTimesAligner:
     """An aligner whose units get the benchmark's forced times (see the module's docstring); every
     other attribute (warm-up, call phases) is the wrapped aligner's."""
@@ -62,7 +72,24 @@ class ForcedTimesAligner:
         return self.inner.max_audio_s
 
     def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
-        aligned = self.inner.align(batch)
+        return self._forced(self.inner.align(batch), batch)
+
+    def submit(self, batch: Sequence[AlignInput]) -> AlignerCall:
+        if isinstance(self.inner, SplitAligner):
+            return _Forced(self.inner.submit(batch), list(batch))
+        return _Forced(DeferredCall(list(batch)), list(batch))
+
+    def collect(self, call: AlignerCall) -> list[list[AlignedWord]]:
+        assert isinstance(call, _Forced)
+        if isinstance(call.inner, DeferredCall):
+            aligned = self.inner.align(call.batch)
+        else:
+            assert isinstance(self.inner, SplitAligner)
+            aligned = self.inner.collect(call.inner)
+        return self._forced(aligned, call.batch)
+
+    @staticmethod
+    def _forced(aligned: list[list[AlignedWord]], batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
         return [
             forced_words(words, text, len(audio) / rate)
             for words, (audio, rate, text, _) in zip(aligned, batch, strict=True)

@@ -9,6 +9,12 @@ fixed, and more jobs per call is more audio aligned per second. Async words may 
 so they take the wait; sync audio waits for its words, so its jobs do not. Each call's cost goes to `on_batch`
 (engine.alignment.engine measures the aligner's throughput for admission from it).
 
+An aligner that splits its calls (engine.alignment.api.SplitAligner, as aligner.qwen3 does) has
+each batch submitted as it falls due and collected once its device work is done; a batch that falls
+due meanwhile is readied on the host and queued on the device behind the one in flight. A call's
+host work (resampling, features, text) and its device work are of a size, so with calls back to
+back under load the device no longer waits for the host between them.
+
 While the worker runs, the interpreter's GIL switch interval is `SWITCH_INTERVAL_S` at most: a
 call readies its inputs in Python for tens of milliseconds, and every other thread of the process
 that wakes meanwhile (the engine's step thread back from its wait on the GPU, the thread that
@@ -26,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.alignment.api import AlignedWord, Aligner
+from engine.alignment.api import AlignedWord, Aligner, AlignerCall, DeferredCall, SplitAligner
 from engine.alignment.capacity import MAX_BATCH
 from engine.alignment.track import AlignJob
 from engine.api import WordTiming
@@ -49,6 +55,17 @@ class AlignerStats:
 BatchDone = Callable[[float, float, int], None]  # (busy s, audio s, jobs)
 GATHER_S = 0.1  # the longest a job without urgency waits for others to share its call
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while the worker runs (see the module)
+POLL_S = 0.001  # with a call in flight, how often the worker asks whether its device work is done
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A batch submitted to the aligner and not yet collected."""
+
+    batch: list[tuple[AlignJob, JobDone]]
+    call: AlignerCall
+    failed: bool  # its submission raised: each job is aligned alone when collected
+    began: float
 
 
 class AlignerWorker:
@@ -75,6 +92,7 @@ class AlignerWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._switch_before: float | None = None  # the interval the worker replaced
+        self._last_collected = 0.0  # when the last batch was collected (perf_counter)
 
     def start(self) -> None:
         if self._thread is None:
@@ -121,18 +139,23 @@ class AlignerWorker:
         with self._cond:
             return max(0.0, self._queued_audio_s)
 
-    def _take_batch(self) -> list[tuple[AlignJob, JobDone]] | None:
+    def _take_batch(self, done: Callable[[], bool] | None = None) -> list[tuple[AlignJob, JobDone]] | None:
+        """The next batch once it is due; None when stopping. `done`: a call is in flight, and
+        once it says its device work is done with no batch due, the answer is [] (collect it)."""
         with self._cond:
             while not self._stopping:
                 if self._urgent or len(self._later) >= self.max_batch:
                     break
+                wait: float | None = None
                 if self._later:
                     wait = self._later_since[0] + self.gather_s - time.monotonic()
                     if wait <= 0:
                         break
-                    self._cond.wait(wait)
-                else:
-                    self._cond.wait()
+                if done is not None:
+                    if done():
+                        return []
+                    wait = POLL_S if wait is None else min(wait, POLL_S)
+                self._cond.wait(wait)
             if self._stopping:
                 return None
             batch: list[tuple[AlignJob, JobDone]] = []
@@ -147,18 +170,48 @@ class AlignerWorker:
             return batch
 
     def _serve(self) -> None:
-        while (batch := self._take_batch()) is not None:
-            if batch:
-                self._run(batch)
+        """Submit each batch as it falls due; while one is in flight, the next is readied and
+        queued behind it before the first is collected."""
+        flight: _Flight | None = None
+        while True:
+            batch = self._take_batch(None if flight is None else flight.call.ready)
+            following = self._submit(batch) if batch else None
+            if flight is not None:
+                self._collect(flight)
+            flight = following
+            if batch is None:
+                return
 
-    def _run(self, batch: list[tuple[AlignJob, JobDone]]) -> None:
-        jobs = [job for job, _ in batch]
+    def _submit(self, batch: list[tuple[AlignJob, JobDone]]) -> _Flight:
         began = time.perf_counter()
+        inputs = [(job.audio, job.sample_rate, job.text, job.language) for job, _ in batch]
         try:
-            results: list[list[AlignedWord] | None] = list(self._align(jobs))
+            if isinstance(self.aligner, SplitAligner):
+                call: AlignerCall | None = self.aligner.submit(inputs)
+            else:
+                call = DeferredCall(inputs)
+        except Exception:
+            call = None  # answered job by job when collected
+        return _Flight(batch, call or DeferredCall([]), call is None, began)
+
+    def _collect(self, flight: _Flight) -> None:
+        jobs = [job for job, _ in flight.batch]
+        results: list[list[AlignedWord] | None]
+        try:
+            if flight.failed:
+                raise RuntimeError("the batch failed")
+            if isinstance(flight.call, DeferredCall):
+                results = list(self.aligner.align(flight.call.batch))
+            else:
+                assert isinstance(self.aligner, SplitAligner)
+                results = list(self.aligner.collect(flight.call))
         except Exception:
             results = [self._align_alone(job) for job in jobs]  # one bad input must not sink the rest
-        busy = time.perf_counter() - began
+        finished = time.perf_counter()
+        # the aligner's own time: from this batch's submission, or from the previous batch's end
+        # where the two overlapped, so that busy time adds up to the wall time the aligner worked
+        busy = finished - max(flight.began, self._last_collected)
+        self._last_collected = finished
         audio, fresh = sum(job.audio_s for job in jobs), sum(job.fresh_s for job in jobs)
         self.stats.busy_s += busy
         self.stats.audio_s += audio
@@ -167,7 +220,7 @@ class AlignerWorker:
         self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
         if self.on_batch is not None:
             self.on_batch(busy, audio, len(jobs))
-        for (job, done), aligned in zip(batch, results, strict=True):
+        for (job, done), aligned in zip(flight.batch, results, strict=True):
             if job.probe:
                 self.stats.probes += 1
             else:
