@@ -4,9 +4,12 @@ Random weights at the real sizes (24-layer AuT encoder, 28-layer Qwen3 decoder, 
 bf16, batches of 1, 8 and 32 clips of 24 kHz noise with ~2.6 words per second of text. Times cover
 the whole ``align`` call: resampling, log-mel, splitting, both model passes and post-processing. The
 aligner is warmed up as a server warms it (its CUDA graphs captured), and each batch size once more
-before it is timed. ``--eager`` times every batch without the graphs too, beside it.
+before it is timed. ``--eager`` times every batch without the graphs too, beside it. ``--overlap``
+times ``--iters`` calls back to back instead, one after the other (``align``) and overlapped as the
+aligner's worker runs them under load (each batch submitted before the one ahead of it is
+collected), alternating, and gives each way's audio seconds per second.
 
-    python bench/gpu_aligner_bench.py [--seconds 10] [--batches 1,8,32] [--iters 5] [--eager]
+    python bench/gpu_aligner_bench.py [--seconds 10] [--batches 1,8,32] [--iters 5] [--eager | --overlap]
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--eager", action="store_true", help="also time every batch without CUDA graphs")
+    parser.add_argument(
+        "--overlap", action="store_true", help="calls back to back: in turn against overlapped"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -79,6 +85,9 @@ def main() -> None:
         f"{'batch':>5} {'graphs':>6} {'words':>6} {'p50 ms':>8} {'min ms':>8} {'audio s/s':>10} {'RTF':>9}"
         f" {'peak GiB':>9}"
     )
+    if args.overlap:
+        overlap(aligner, [int(b) for b in args.batches.split(",")], args.seconds, args.iters)
+        return
     graphs = aligner.graphs
     for size in (int(b) for b in args.batches.split(",")):
         batch = make_batch(size, args.seconds)
@@ -101,6 +110,35 @@ def main() -> None:
                 f" {torch.cuda.max_memory_allocated() / 2**30:>9.2f}"
             )
         aligner.graphs = graphs
+
+
+def overlap(
+    aligner: Qwen3ForcedAligner, sizes: list[int], seconds: float, calls: int, rounds: int = 3
+) -> None:
+    """`calls` batches back to back, in turn and overlapped, alternating for `rounds` rounds."""
+    print(f"{'batch':>5} {'calls':>5} {'in turn a-s/s':>14} {'overlapped a-s/s':>17} {'ratio':>6}")
+    for size in sizes:
+        batch = make_batch(size, seconds)
+        aligner.align(batch)
+        laps: dict[str, list[float]] = {"turn": [], "overlap": []}
+        for _ in range(rounds):
+            for way in laps:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                if way == "turn":
+                    for _ in range(calls):
+                        aligner.align(batch)
+                else:
+                    flight = aligner.submit(batch)
+                    for _ in range(calls - 1):
+                        following = aligner.submit(batch)
+                        aligner.collect(flight)
+                        flight = following
+                    aligner.collect(flight)
+                laps[way].append(time.perf_counter() - start)
+        audio_s = size * seconds * calls
+        turn, over = (audio_s / statistics.median(laps[way]) for way in ("turn", "overlap"))
+        print(f"{size:>5} {calls:>5} {turn:>14.0f} {over:>17.0f} {over / turn:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ case "${1:-}" in
   aligner-bench)  # the aligner alone, with and without its CUDA graphs
     run 200 aligner-bench $PY bench/gpu_aligner_bench.py --seconds 2.5 --batches 1,8,32,64 --eager
     run 200 aligner-bench-10s $PY bench/gpu_aligner_bench.py --seconds 10 --batches 1,8,32,64 --eager
+    run 200 aligner-overlap $PY bench/gpu_aligner_bench.py --seconds 4 --batches 1,8,16,32 --iters 8 --overlap
     ;;
   aligner)
     checkpoint
