@@ -66,3 +66,14 @@ def test_graphs_replay_what_the_eager_passes_compute(real_shapes, size):
     assert graphs.replays == before + 2  # the encoder's stack and the decoder both replayed
     assert graphed == eager
     assert len(set(eager)) > 1
+
+
+def test_batches_in_flight_together_give_the_words_of_calls_in_turn(real_shapes):
+    """Two batches submitted before either is collected (the worker's overlap, the graphs' static
+    buffers shared): each gets the words its own call gives."""
+    first, second = make_batch(5, 2.5), make_batch(9, 4.0)
+    in_turn = real_shapes.align(first), real_shapes.align(second)
+    a = real_shapes.submit(first)
+    b = real_shapes.submit(second)
+    assert (real_shapes.collect(a), real_shapes.collect(b)) == in_turn
+    assert a.ready() and b.ready()
