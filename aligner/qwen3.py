@@ -357,8 +357,7 @@ class Qwen3ForcedAligner:
     def collect(self, call: QueuedCall) -> list[list[AlignedWord]]:
         """The words of a submitted batch, once its device work is done."""
         waited = time.perf_counter()
-        if call.done is not None:
-            call.done.synchronize()
+        call.wait()
         read = time.perf_counter()
         times = self._repaired(call.classes, call.slots)
         aligned = [
@@ -397,3 +396,7 @@ class QueuedCall:
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()

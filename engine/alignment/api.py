@@ -66,6 +66,10 @@ class AlignerCall(Protocol):
         """The device is done with it: `collect` returns without waiting."""
         ...
 
+    def wait(self) -> None:
+        """Until the device is done with it (the GIL released meanwhile)."""
+        ...
+
 
 @dataclass(slots=True)
 class DeferredCall:
@@ -75,6 +79,9 @@ class DeferredCall:
 
     def ready(self) -> bool:
         return True
+
+    def wait(self) -> None:
+        pass
 
 
 @runtime_checkable

@@ -59,6 +59,9 @@ class _Forced:
     def ready(self) -> bool:
         return self.inner.ready()
 
+    def wait(self) -> None:
+        self.inner.wait()
+
 
 class ForcedTimesAligner:
     """An aligner whose units get the benchmark's forced times (see the module's docstring); every

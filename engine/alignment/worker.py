@@ -25,6 +25,7 @@ and puts the former one back when it stops."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -55,7 +56,6 @@ class AlignerStats:
 BatchDone = Callable[[float, float, int], None]  # (busy s, audio s, jobs)
 GATHER_S = 0.1  # the longest a job without urgency waits for others to share its call
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while the worker runs (see the module)
-POLL_S = 0.001  # with a call in flight, how often the worker asks whether its device work is done
 
 
 @dataclass(slots=True)
@@ -66,6 +66,7 @@ class _Flight:
     call: AlignerCall
     failed: bool  # its submission raised: each job is aligned alone when collected
     began: float
+    landed: bool = False  # its device work is done (set under the worker's condition)
 
 
 class AlignerWorker:
@@ -139,22 +140,20 @@ class AlignerWorker:
         with self._cond:
             return max(0.0, self._queued_audio_s)
 
-    def _take_batch(self, done: Callable[[], bool] | None = None) -> list[tuple[AlignJob, JobDone]] | None:
-        """The next batch once it is due; None when stopping. `done`: a call is in flight, and
-        once it says its device work is done with no batch due, the answer is [] (collect it)."""
+    def _take_batch(self, flight: _Flight | None = None) -> list[tuple[AlignJob, JobDone]] | None:
+        """The next batch once it is due; None when stopping. With a call in flight, [] once its
+        device work is done with no batch due (it is collected then)."""
         with self._cond:
             while not self._stopping:
                 if self._urgent or len(self._later) >= self.max_batch:
                     break
+                if flight is not None and flight.landed:
+                    return []
                 wait: float | None = None
                 if self._later:
                     wait = self._later_since[0] + self.gather_s - time.monotonic()
                     if wait <= 0:
                         break
-                if done is not None:
-                    if done():
-                        return []
-                    wait = POLL_S if wait is None else min(wait, POLL_S)
                 self._cond.wait(wait)
             if self._stopping:
                 return None
@@ -174,7 +173,7 @@ class AlignerWorker:
         queued behind it before the first is collected."""
         flight: _Flight | None = None
         while True:
-            batch = self._take_batch(None if flight is None else flight.call.ready)
+            batch = self._take_batch(flight)
             following = self._submit(batch) if batch else None
             if flight is not None:
                 self._collect(flight)
@@ -192,7 +191,19 @@ class AlignerWorker:
                 call = DeferredCall(inputs)
         except Exception:
             call = None  # answered job by job when collected
-        return _Flight(batch, call or DeferredCall([]), call is None, began)
+        flight = _Flight(batch, call or DeferredCall([]), call is None, began)
+        if flight.call.ready():
+            flight.landed = True
+        else:  # a thread waits for the device (the GIL released) and wakes the worker
+            threading.Thread(target=self._watch, args=(flight,), name="aligner-call", daemon=True).start()
+        return flight
+
+    def _watch(self, flight: _Flight) -> None:
+        with contextlib.suppress(Exception):  # a failed call is met again when collected
+            flight.call.wait()
+        with self._cond:
+            flight.landed = True
+            self._cond.notify_all()
 
     def _collect(self, flight: _Flight) -> None:
         jobs = [job for job, _ in flight.batch]

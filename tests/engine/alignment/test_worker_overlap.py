@@ -34,6 +34,9 @@ class _Call:
     def ready(self) -> bool:
         return self.device_done.is_set()
 
+    def wait(self) -> None:
+        self.device_done.wait(5)
+
 
 class SplitSpread:
     """SpreadAligner's words, split in two: each call's "device work" ends when the test says so
@@ -172,3 +175,22 @@ def test_the_real_aligners_split_calls_give_its_whole_calls_words(tmp_path: Path
     a, b = aligner.submit(first), aligner.submit(second)
     assert a.ready() and b.ready()  # on the CPU the work is done when submitted
     assert (aligner.collect(a), aligner.collect(b)) == whole
+
+
+def test_a_call_whose_device_work_ends_is_collected_at_once_while_the_next_batch_gathers() -> None:
+    aligner = SplitSpread()
+    answered = threading.Event()
+    worker = AlignerWorker(aligner, gather_s=5.0)
+    worker.start()
+    try:
+        worker.submit(job("urgent words"), lambda *_: answered.set())
+        aligner.wait_for_calls(1)
+        worker.submit(job("gathering words", urgent=False), lambda *_: None)  # due only in 5 s
+        time.sleep(0.05)
+        assert not answered.is_set()
+        landed = time.perf_counter()
+        aligner.calls[0].device_done.set()
+        assert answered.wait(2)
+        assert time.perf_counter() - landed < 1.0  # not held until the next batch is due
+    finally:
+        worker.stop()
