@@ -163,20 +163,35 @@ class AlignJob:
 
 
 class _Audio:
-    """The utterance's audio from some sample on, as a list of arrays."""
+    """The utterance's audio from some sample on, as the engine's arrays: int16 PCM (what the
+    engine workers hand, and what passes on unconverted) or float32."""
 
     def __init__(self) -> None:
-        self._parts: list[tuple[int, npt.NDArray[np.float32]]] = []
+        self._parts: list[tuple[int, npt.NDArray[np.float32] | npt.NDArray[np.int16]]] = []
         self.end = 0  # one past the last sample received
 
-    def append(self, samples: npt.NDArray[np.float32]) -> None:
+    def append(self, samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> None:
         if len(samples):
             self._parts.append((self.end, samples))
             self.end += len(samples)
 
+    def _pieces(self, a: int, b: int) -> list[npt.NDArray[np.float32] | npt.NDArray[np.int16]]:
+        return [s[max(0, a - at) : max(0, b - at)] for at, s in self._parts if at < b and at + len(s) > a]
+
     def slice(self, a: int, b: int) -> npt.NDArray[np.float32]:
-        pieces = [s[max(0, a - at) : max(0, b - at)] for at, s in self._parts if at < b and at + len(s) > a]
+        """Samples a..b as float32 (the aligner's input)."""
+        pieces = [float_samples(p) for p in self._pieces(a, b)]
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    def pcm(self, a: int, b: int) -> npt.NDArray[np.float32] | npt.NDArray[np.int16]:
+        """Samples a..b to pass on: as they came when they came in one form (one chunk's own
+        array when they lie in one), float32 otherwise."""
+        pieces = self._pieces(a, b)
+        if len(pieces) == 1:
+            return pieces[0]
+        if pieces and all(p.dtype == pieces[0].dtype for p in pieces):
+            return np.concatenate(pieces)
+        return self.slice(a, b)
 
     def drop_before(self, sample: int) -> None:
         while self._parts and self._parts[0][0] + len(self._parts[0][1]) <= sample:
@@ -229,10 +244,12 @@ class AlignmentTracker:
         self.inner_final = self.inner_final or chunk.final
         if self.mode == "off":
             return [chunk], []
-        samples = float_samples(chunk.samples)
+        samples = chunk.samples
+        if samples.ndim != 1 or samples.dtype not in (np.int16, np.float32):
+            samples = float_samples(samples)
         gap = chunk.sample_offset - self._audio.end
         if gap > 0:
-            samples = np.concatenate((np.zeros(gap, np.float32), samples))
+            samples = np.concatenate((np.zeros(gap, samples.dtype), samples))
         elif gap < 0:
             samples = samples[min(-gap, len(samples)) :]
         self._audio.append(samples)
@@ -438,9 +455,7 @@ class AlignmentTracker:
         return job.window_end - job.window_start > self.max_window
 
     def _release(self, upto: int, words: tuple[WordTiming, ...]) -> AudioChunk:
-        samples = (
-            self._audio.slice(self._released, upto) if upto > self._released else np.zeros(0, np.float32)
-        )
+        samples = self._audio.pcm(self._released, upto) if upto > self._released else np.zeros(0, np.float32)
         chunk = AudioChunk(self.request_id, samples, self._released, words)
         self._released = max(self._released, upto)
         return chunk
