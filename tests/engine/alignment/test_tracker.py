@@ -7,7 +7,7 @@ import pytest
 
 from engine.alignment.api import AlignedWord
 from engine.alignment.track import AlignJob, AlignmentTracker, content_end
-from engine.api import AudioChunk, TextSegment, WordTiming
+from engine.api import PCM16_FULL_SCALE, AudioChunk, TextSegment, WordTiming
 
 RATE = 1000  # samples per second, to keep the arithmetic readable
 
@@ -193,3 +193,23 @@ def test_punctuation_only_segment_makes_no_job():
     _, more = t.on_chunk(chunk(400, 400, (engine_word("Bye.", 8, 500, 700),), final=True))
     assert [j.text for j in jobs + more] == ["Hi. ", "Bye."]
     assert more[0].window_start == 300 and more[0].window_end == 800
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_int16_pcm_passes_on_as_it_came_and_the_aligner_reads_float(mode):
+    """The engine workers hand int16 PCM: it leaves unconverted (one chunk's own array in async
+    mode), while the job's window is float32 in [-1, 1]."""
+    t = tracker(mode, SEGMENTS)
+    pcm = (np.arange(1000) * 31 % 20_000 - 10_000).astype(np.int16)
+    out, jobs = t.on_chunk(AudioChunk("r", pcm, 0, FIRST_WORDS))
+    assert len(jobs) == 1 and jobs[0].audio.dtype == np.float32
+    np.testing.assert_allclose(jobs[0].audio[:900], pcm[:900] / PCM16_FULL_SCALE, atol=1e-6)
+    if mode == "async":
+        assert len(out) == 1 and np.shares_memory(out[0].samples, pcm)  # not even copied
+    else:
+        assert not out
+        out = t.on_aligned(jobs[0], answer(jobs[0], [(0, 5, 0.0, 0.4), (6, 12, 0.45, 0.9)]))
+    later, _ = t.on_chunk(AudioChunk("r", pcm[:200].copy(), 1000, ()))
+    released = np.concatenate([c.samples for c in out + later if len(c.samples)])
+    assert released.dtype == np.int16
+    np.testing.assert_array_equal(released, np.concatenate([pcm, pcm[:200]])[: len(released)])
