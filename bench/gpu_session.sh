@@ -74,7 +74,7 @@ case "${1:-}" in
     ;;
   aligner)
     checkpoint
-    CONC="${CONC:-1,256,512}" ALIGNED_CONC="${ALIGNED_CONC:-1,256,512}" POINT_SECONDS="${POINT_SECONDS:-10}" \
+    CONC="${CONC:-1,256,512}" ALIGNED_CONC="${ALIGNED_CONC:-256,512}" POINT_SECONDS="${POINT_SECONDS:-8}" \
       TAIL=30 run 590 aligner bash bench/gpu_bench_aligner.sh
     ;;
   small)
