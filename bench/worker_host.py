@@ -245,15 +245,20 @@ class HostOnlyEngine:
             batch.post()
 
 
+def _hold_gil(seconds: float) -> None:
+    """Python work for `seconds`: the GIL held but for the interpreter's forced switches."""
+    until = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < until:
+        n += sum(range(64))
+
+
 def _beside(host_s: float, wait_s: float) -> None:
     """Another thread of the worker's interpreter, as the aligner's beside the engine: Python work
     holding the GIL for host_s (a call's inputs readied), then wait_s with it released (the call's
     wait on the GPU), over and over."""
     while True:
-        until = time.perf_counter() + host_s
-        n = 0
-        while time.perf_counter() < until:
-            n += sum(range(64))
+        _hold_gil(host_s)
         time.sleep(wait_s)
 
 
@@ -274,10 +279,7 @@ class StandInAligner:
         from aligner.text import display_spans, locate_units
         from engine.alignment.api import AlignedWord
 
-        until = time.perf_counter() + self.host_s
-        n = 0
-        while time.perf_counter() < until:
-            n += sum(range(64))
+        _hold_gil(self.host_s)
         time.sleep(self.gpu_s + self.gpu_per_job_s * len(batch))
         out = []
         for _, _, text, language in batch:

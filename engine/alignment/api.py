@@ -94,3 +94,29 @@ class SplitAligner(Aligner, Protocol):
     def submit(self, batch: Sequence[AlignInput]) -> AlignerCall: ...
 
     def collect(self, call: AlignerCall) -> list[list[AlignedWord]]: ...
+
+
+class _WholeCalls:
+    """A SplitAligner over an aligner that does not split its calls: the work runs when collected."""
+
+    def __init__(self, aligner: Aligner) -> None:
+        self.aligner = aligner
+
+    @property
+    def max_audio_s(self) -> float:
+        return self.aligner.max_audio_s
+
+    def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
+        return self.aligner.align(batch)
+
+    def submit(self, batch: Sequence[AlignInput]) -> AlignerCall:
+        return DeferredCall(list(batch))
+
+    def collect(self, call: AlignerCall) -> list[list[AlignedWord]]:
+        assert isinstance(call, DeferredCall)
+        return self.aligner.align(call.batch)
+
+
+def split_calls(aligner: Aligner) -> SplitAligner:
+    """`aligner` itself when it splits its calls, else one that runs each whole when collected."""
+    return aligner if isinstance(aligner, SplitAligner) else _WholeCalls(aligner)

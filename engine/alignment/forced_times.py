@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.alignment.api import AlignedWord, Aligner, AlignerCall, AlignInput, DeferredCall, SplitAligner
+from engine.alignment.api import AlignedWord, Aligner, AlignerCall, AlignInput, split_calls
 
 CHARS_PER_S = 14.0  # the benchmark's speech rate: English and other alphabetic text
 IDEOGRAPHS_PER_S = 4.5  # Chinese, Japanese kanji
@@ -69,6 +69,7 @@ class ForcedTimesAligner:
 
     def __init__(self, inner: Aligner) -> None:
         self.inner = inner
+        self._calls = split_calls(inner)
 
     @property
     def max_audio_s(self) -> float:
@@ -78,18 +79,11 @@ class ForcedTimesAligner:
         return self._forced(self.inner.align(batch), batch)
 
     def submit(self, batch: Sequence[AlignInput]) -> AlignerCall:
-        if isinstance(self.inner, SplitAligner):
-            return _Forced(self.inner.submit(batch), list(batch))
-        return _Forced(DeferredCall(list(batch)), list(batch))
+        return _Forced(self._calls.submit(batch), list(batch))
 
     def collect(self, call: AlignerCall) -> list[list[AlignedWord]]:
         assert isinstance(call, _Forced)
-        if isinstance(call.inner, DeferredCall):
-            aligned = self.inner.align(call.batch)
-        else:
-            assert isinstance(self.inner, SplitAligner)
-            aligned = self.inner.collect(call.inner)
-        return self._forced(aligned, call.batch)
+        return self._forced(self._calls.collect(call.inner), call.batch)
 
     @staticmethod
     def _forced(aligned: list[list[AlignedWord]], batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.alignment.api import AlignedWord, Aligner, AlignerCall, DeferredCall, SplitAligner
+from engine.alignment.api import AlignedWord, Aligner, AlignerCall, split_calls
 from engine.alignment.capacity import MAX_BATCH
 from engine.alignment.track import AlignJob
 from engine.api import WordTiming
@@ -63,8 +63,7 @@ class _Flight:
     """A batch submitted to the aligner and not yet collected."""
 
     batch: list[tuple[AlignJob, JobDone]]
-    call: AlignerCall
-    failed: bool  # its submission raised: each job is aligned alone when collected
+    call: AlignerCall | None  # None: its submission raised, and each job is aligned alone
     began: float
     landed: bool = False  # its device work is done (set under the worker's condition)
 
@@ -81,6 +80,7 @@ class AlignerWorker:
         gather_s: float = GATHER_S,
     ) -> None:
         self.aligner = aligner
+        self._calls = split_calls(aligner)  # submit + collect, whichever kind the aligner is
         self.max_batch = max_batch
         self.on_batch = on_batch
         self.gather_s = gather_s
@@ -184,21 +184,18 @@ class AlignerWorker:
     def _submit(self, batch: list[tuple[AlignJob, JobDone]]) -> _Flight:
         began = time.perf_counter()
         inputs = [(job.audio, job.sample_rate, job.text, job.language) for job, _ in batch]
-        try:
-            if isinstance(self.aligner, SplitAligner):
-                call: AlignerCall | None = self.aligner.submit(inputs)
-            else:
-                call = DeferredCall(inputs)
-        except Exception:
-            call = None  # answered job by job when collected
-        flight = _Flight(batch, call or DeferredCall([]), call is None, began)
-        if flight.call.ready():
+        call: AlignerCall | None = None
+        with contextlib.suppress(Exception):  # a failed submission is answered job by job
+            call = self._calls.submit(inputs)
+        flight = _Flight(batch, call, began)
+        if call is None or call.ready():
             flight.landed = True
         else:  # a thread waits for the device (the GIL released) and wakes the worker
             threading.Thread(target=self._watch, args=(flight,), name="aligner-call", daemon=True).start()
         return flight
 
     def _watch(self, flight: _Flight) -> None:
+        assert flight.call is not None
         with contextlib.suppress(Exception):  # a failed call is met again when collected
             flight.call.wait()
         with self._cond:
@@ -209,13 +206,9 @@ class AlignerWorker:
         jobs = [job for job, _ in flight.batch]
         results: list[list[AlignedWord] | None]
         try:
-            if flight.failed:
-                raise RuntimeError("the batch failed")
-            if isinstance(flight.call, DeferredCall):
-                results = list(self.aligner.align(flight.call.batch))
-            else:
-                assert isinstance(self.aligner, SplitAligner)
-                results = list(self.aligner.collect(flight.call))
+            if flight.call is None:
+                raise RuntimeError("the batch's submission failed")
+            results = list(self._calls.collect(flight.call))
         except Exception:
             results = [self._align_alone(job) for job in jobs]  # one bad input must not sink the rest
         finished = time.perf_counter()

@@ -83,18 +83,27 @@ def job(text: str, urgent: bool = True) -> AlignJob:
     return AlignJob("r", 0, samples, 1000, text, "English", pieces, 0, len(samples), (), urgent=urgent)
 
 
+class Answers:
+    """Each job's words by its text; `all_in` is set once `expected` jobs are answered."""
+
+    def __init__(self, expected: int) -> None:
+        self.words: dict[str, tuple[WordTiming, ...]] = {}
+        self.expected = expected
+        self.all_in = threading.Event()
+
+    def __call__(self, j: AlignJob, words: tuple[WordTiming, ...]) -> None:
+        self.words[j.text] = words
+        if len(self.words) == self.expected:
+            self.all_in.set()
+
+
 def test_a_batch_due_while_another_is_on_the_device_is_submitted_before_that_one_is_collected() -> None:
     aligner = SplitSpread()
     assert isinstance(aligner, SplitAligner)
     calls: list[tuple[float, float, int]] = []
-    answers: dict[str, tuple[WordTiming, ...]] = {}
-    done = threading.Event()
-
-    def answered(j: AlignJob, words: tuple[WordTiming, ...]) -> None:
-        answers[j.text] = words
-        if len(answers) == 2:
-            done.set()
-
+    answered = Answers(2)
+    answers = answered.words
+    done = answered.all_in
     worker = AlignerWorker(aligner, on_batch=lambda *c: calls.append(c))
     worker.start()
     began = time.perf_counter()
@@ -125,14 +134,9 @@ def test_a_batch_due_while_another_is_on_the_device_is_submitted_before_that_one
 @pytest.mark.parametrize("where", ["submit", "collect"])
 def test_a_failing_call_falls_back_to_its_jobs_one_by_one(where: str) -> None:
     aligner = SplitSpread(**{f"fail_{where}_on": "broken"})
-    answers: dict[str, tuple[WordTiming, ...]] = {}
-    done = threading.Event()
-
-    def answered(j: AlignJob, words: tuple[WordTiming, ...]) -> None:
-        answers[j.text] = words
-        if len(answers) == 2:
-            done.set()
-
+    answered = Answers(2)
+    answers = answered.words
+    done = answered.all_in
     worker = AlignerWorker(aligner, gather_s=0.2)
     worker.start()
     try:
