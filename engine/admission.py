@@ -258,7 +258,7 @@ class Admission(Generic[T]):
                 f"engine at capacity ({len(self.admitted)} streams) and its queue is full",
                 retry_after_s=max(self.retry_floor_s, self._expected_wait(self.queued + 1)),
             )
-        if max_wait_s is not None and wait > max_wait_s:
+        if max_wait_s is not None and (wait > max_wait_s or max_wait_s <= 0):  # 0: now or never
             self._refuse("max_wait")
             raise Overloaded(
                 f"engine at capacity: the expected wait ({wait:.1f} s) is longer than max_wait_ms",

@@ -221,6 +221,8 @@ class AlignedStream(SynthesisStream):
     def _end(self) -> None:
         if not self._ended:
             self._ended = True
+            for job in self._jobs:  # words it can no longer send must not hold the aligner
+                job.cancelled = True
             self._engine.release(self)
 
 

@@ -188,7 +188,11 @@ class AlignerWorker:
         with contextlib.suppress(Exception):  # a failed submission is answered job by job
             call = self._calls.submit(inputs)
         flight = _Flight(batch, call, began)
-        if call is None or call.ready():
+        try:
+            landed = call is None or call.ready()
+        except Exception:  # a device that reports an error is done with it: collect meets the error
+            landed = True
+        if landed:
             flight.landed = True
         else:  # a thread waits for the device (the GIL released) and wakes the worker
             threading.Thread(target=self._watch, args=(flight,), name="aligner-call", daemon=True).start()

@@ -153,6 +153,20 @@ def test_max_wait_refuses_at_once_when_the_expected_wait_is_longer() -> None:
     assert adm.figures().refused["max_wait"] == 2
 
 
+def test_no_wait_at_all_is_refused_when_there_is_no_room_even_where_the_queue_moves_at_once() -> None:
+    room = [0]
+    adm: Admission[str] = Admission(
+        max_streams=10, queue_limit=10, capacity=lambda: 10, starts=lambda: room[0], clock=Clock()
+    )
+    adm.arrive("a"), adm.arrive("b")
+    room[0] = 5
+    assert len(adm.admit_waiting()) == 2  # one round: the measured interval between admissions is 0
+    room[0] = 0
+    with pytest.raises(Overloaded):
+        adm.arrive("now or never", max_wait_s=0.0)
+    assert adm.queued == 0 and adm.figures().refused["max_wait"] == 1
+
+
 def test_a_queued_request_expires_when_its_max_wait_passes() -> None:
     clock = Clock()
     adm: Admission[str] = Admission(max_streams=1, queue_limit=10, clock=clock, lifetime_s=1.0)
