@@ -42,7 +42,7 @@ from engine.api import (
     float_samples,
 )
 from gateway.auth import ANONYMOUS, Principal
-from gateway.compat.encoding import CONTAINERS, MEDIA_TYPES, Container, StreamEncoder
+from gateway.compat.encoding import CONTAINERS, MEDIA_TYPES, OPUS_RATES, Container, StreamEncoder
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import error_code, public_message, retry_after_s
@@ -355,12 +355,12 @@ def make_speech_endpoint(
         except EngineError as exc:
             stream.cancel()
             return fail(400, error_code(exc), public_message(exc))
-        synthesis = _Synthesis(
-            stream, engine.info.sample_rate, config.rest_sample_rate, metrics, hold.release
-        )
-        headers = {"X-Sample-Rate": str(config.rest_sample_rate), "X-Request-Id": request_id}
-        release = BackgroundTask(hold.release)  # also when the client left before the first byte
         rate = config.rest_sample_rate
+        if req.response_format == "opus" and rate not in OPUS_RATES:
+            rate = 48_000  # Opus has no 22.05 / 44.1 kHz mode; its decoders play 48 kHz anyway
+        synthesis = _Synthesis(stream, engine.info.sample_rate, rate, metrics, hold.release)
+        headers = {"X-Sample-Rate": str(rate), "X-Request-Id": request_id}
+        release = BackgroundTask(hold.release)  # also when the client left before the first byte
         encoder = StreamEncoder(req.response_format, rate)
         if req.sse:
             return StreamingResponse(

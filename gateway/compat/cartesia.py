@@ -264,6 +264,9 @@ class CartesiaSocket(DialectSocket):
         elif kind == "error":
             ctx.finished = True
             self._forget(ctx)
+            # some errors leave the native utterance going (text_too_long refuses one append):
+            # the context ends here, so its engine stream ends too
+            link.send({"type": "speak.cancel", "utterance_id": ctx.utterance_id})
             await self.error(str(message.get("code")), str(message.get("message")), ctx.context_id)
 
     async def on_link_audio(self, link: NativeLink, header: PacketHeader, payload: bytes) -> None:

@@ -161,9 +161,13 @@ class ElevenLabsSocket(DialectSocket):
             if raw is not None and not raw.strip() and not flush:
                 return  # the context's opening message (its text is a lone space)
         if raw == "" and not flush:
-            if not self.multi:
+            if self.multi:
+                self._keep_alive(ctx)
+            elif ctx.opened:
                 self._end(ctx)  # stream-input: the end of the text
-            return  # multi-stream-input: a keep-alive
+            else:
+                await self._final(ctx)  # stream-input ended with nothing said: it ends at once
+            return
         self._append(ctx, raw or "", flush)
 
     def _new_context(self, context_id: str) -> _Context:
@@ -210,6 +214,12 @@ class ElevenLabsSocket(DialectSocket):
         elif text:
             ctx.unflushed = True
 
+    def _keep_alive(self, ctx: _Context) -> None:
+        """multi-stream-input's `{"text": ""}`: ElevenLabs resets the context's inactivity timer, so
+        an empty append resets the native utterance's text timeout (a context still taking text)."""
+        if ctx.opened and not ctx.closing and not ctx.final_sent:
+            self._native().send({"type": "speak.append", "utterance_id": ctx.utterance_id, "text": ""})
+
     def _end(self, ctx: _Context) -> None:
         if ctx.opened:
             self._native().send({"type": "speak.end", "utterance_id": ctx.utterance_id})
@@ -254,6 +264,9 @@ class ElevenLabsSocket(DialectSocket):
                 str(message.get("code")), str(message.get("message")), ctx.context_id if ctx else None
             )
             if ctx is not None and not ctx.final_sent:
+                # some errors leave the native utterance going (text_too_long refuses one append):
+                # the context ends here, so its engine stream ends too
+                self._native().send({"type": "speak.cancel", "utterance_id": ctx.utterance_id})
                 await self._final(ctx)
 
     async def on_link_audio(self, link: NativeLink, header: PacketHeader, payload: bytes) -> None:

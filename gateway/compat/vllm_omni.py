@@ -29,7 +29,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
-from gateway.compat.encoding import CONTAINERS, Container, StreamEncoder
+from gateway.compat.encoding import CONTAINERS, Container, EncodingError, StreamEncoder, check_format
 from gateway.languages import normalise_language
 from gateway.messages import SAMPLE_RATES, PacketHeader
 
@@ -83,6 +83,11 @@ def parse_config(message: dict[str, Any], compat: Compat) -> Config:
     rate = message.get("sample_rate") or 24000
     if isinstance(rate, bool) or rate not in SAMPLE_RATES:
         raise ConfigError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}")
+    if not stream_audio:
+        try:  # the file is encoded at `sample_rate`: refused here, not when its audio comes
+            check_format(fmt, int(rate))
+        except EncodingError as exc:
+            raise ConfigError(str(exc)) from None
     granularity = message.get("split_granularity", "none")
     if granularity not in ("none", "sentence", "clause"):
         raise ConfigError("split_granularity must be none, sentence or clause")
@@ -130,6 +135,7 @@ class VllmOmniSocket(DialectSocket):
         self._leading = ""  # blanks before an utterance's first words
         self._configured = asyncio.Event()
         self._drain_lock = asyncio.Lock()
+        self._close_requested = False  # session.close came: close once the queue is sent
 
     async def error(self, message: str) -> None:
         await self.send_json({"type": "error", "message": message})
@@ -150,6 +156,8 @@ class VllmOmniSocket(DialectSocket):
 
     # -- client -> native --------------------------------------------------------------------
     async def on_text(self, text: str) -> None:
+        if self._close_requested:
+            return  # vLLM-Omni reads nothing after session.close
         message = parse_object(text)
         if message is None:
             await self.error("Invalid JSON message")
@@ -174,7 +182,7 @@ class VllmOmniSocket(DialectSocket):
         elif kind == "input.done":
             await self._input_done()
         elif kind == "session.close":
-            self.close(1000, "session.close")
+            await self._session_close()
         else:
             await self.error(f"Unknown message type: {str(kind)[:40]}")
 
@@ -242,6 +250,22 @@ class VllmOmniSocket(DialectSocket):
         utt.ended = True
         await self._drain()
 
+    async def _session_close(self) -> None:
+        """vLLM-Omni serves a connection's messages in turn, so every utterance ended by an
+        input.done before session.close is sent whole before the close; text not yet ended by an
+        input.done is dropped."""
+        self._close_requested = True
+        utt, self.current, self._leading = self.current, None, ""
+        if utt is not None:
+            if self.queue and self.queue[-1] is utt:
+                self.queue.pop()
+            if utt.link is not None and utt.failed is None:
+                utt.link.send({"type": "speak.cancel", "utterance_id": utt.utterance_id})
+            self._forget(utt)
+            if utt.encoder is not None:
+                utt.encoder.close()
+        await self._drain()
+
     # -- native -> client, in order ----------------------------------------------------------
     async def on_link_message(self, link: NativeLink, message: NativeMessage) -> None:
         utt = self.by_utterance.get(str(message.get("utterance_id")))
@@ -293,6 +317,8 @@ class VllmOmniSocket(DialectSocket):
                 return
             self.queue.popleft()
             await self._finish(utt)
+        if self._close_requested:
+            self.close(1000, "session.close")
 
     async def _start(self, utt: _Utterance) -> None:
         if utt.started:
