@@ -81,7 +81,7 @@ class AlignedStream(SynthesisStream):
         )
         self._channel = ChunkChannel(self._loop)
         self._held: list[TextSegment | None] = []  # text (None: its end) while no wrapped stream
-        self._jobs: list[AlignJob] = []
+        self._jobs: list[AlignJob] = []  # submitted, not yet answered
         self._aligned_to = 0  # utterance sample where the jobs submitted so far end
         self._cancelled = False
         self._ended = False  # its place in admission is given back
@@ -201,6 +201,8 @@ class AlignedStream(SynthesisStream):
             self._loop.call_soon_threadsafe(self._on_aligned, job, words)
 
     def _on_aligned(self, job: AlignJob, words: tuple[WordTiming, ...]) -> None:
+        # an answered job is done with: its window's audio goes with it, however long the utterance
+        self._jobs = [pending for pending in self._jobs if pending is not job]
         if self._cancelled:
             return
         out = self._tracker.on_aligned(job, words)

@@ -219,7 +219,8 @@ class AlignmentTracker:
         self._audio = _Audio()
         self._released = 0  # samples passed to the output
         self.inner_final = False
-        self._jobs: list[AlignJob] = []  # submitted, in order
+        self._jobs: dict[int, AlignJob] = {}  # submitted and not yet out, by seq
+        self._submitted = 0  # jobs submitted (the next one's seq)
         self._results: dict[int, tuple[WordTiming, ...]] = {}
         self._emitted_jobs = 0  # jobs whose words are out, in order
         self.finished = False
@@ -273,8 +274,8 @@ class AlignmentTracker:
             return self._on_probe(job, words)
         self._results[job.seq] = words
         out: list[AudioChunk] = []
-        while self._emitted_jobs < len(self._jobs) and self._emitted_jobs in self._results:
-            done = self._jobs[self._emitted_jobs]
+        while self._emitted_jobs in self._results:
+            done = self._jobs.pop(self._emitted_jobs)
             ready = self._results.pop(self._emitted_jobs)
             self._emitted_jobs += 1
             if self.mode == "sync":
@@ -286,7 +287,7 @@ class AlignmentTracker:
 
     @property
     def pending_jobs(self) -> int:
-        return len(self._jobs) - self._emitted_jobs
+        return len(self._jobs)
 
     # -- internals ----------------------------------------------------------------------------
     def _note_word(self, word: WordTiming) -> None:
@@ -374,7 +375,7 @@ class AlignmentTracker:
         fallback = tuple(w for s in group for w in s.inner_words if w.char_start >= untimed)
         job = AlignJob(
             request_id=self.request_id,
-            seq=len(self._jobs),
+            seq=self._submitted,
             audio=audio,
             sample_rate=self.rate,
             text=text,
@@ -385,7 +386,8 @@ class AlignmentTracker:
             fallback=fallback,
             urgent=self.mode == "sync",
         )
-        self._jobs.append(job)
+        self._jobs[job.seq] = job
+        self._submitted += 1
         return job
 
     def _maybe_probe(self) -> AlignJob | None:

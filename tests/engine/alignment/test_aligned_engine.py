@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -96,6 +98,26 @@ async def test_sync_mode_every_word_arrives_with_or_before_its_audio(started):
     extra = engine.load().extra
     assert extra["aligner_sync_added_ttfa_ms_p50"] == engine.sync_delays_ms()[0]
     assert extra["aligner_jobs"] == 3
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_an_answered_jobs_audio_is_not_kept_while_the_stream_lives(started, mode):
+    """A long utterance holds no more than its outstanding jobs' windows, however many it had."""
+    engine = await started(default_mode=mode)
+    windows: list[weakref.ref[np.ndarray]] = []
+    submit = engine.worker.submit
+
+    def noting(job, done):
+        windows.append(weakref.ref(job.audio))
+        submit(job, done)
+
+    engine.worker.submit = noting  # type: ignore[method-assign]
+    texts = tuple(f"Sentence number {i} goes here. " for i in range(12))
+    stream = await speak(engine, "long", texts)
+    check_timeline(await collect(stream), "".join(texts))
+    gc.collect()
+    assert len(windows) >= 12
+    assert [ref for ref in windows if ref() is not None] == []  # `stream` still lives
 
 
 async def test_mode_per_stream_and_off_keeps_engine_words(started):
