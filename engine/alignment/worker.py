@@ -213,6 +213,8 @@ class AlignerWorker:
             if flight.call is None:
                 raise RuntimeError("the batch's submission failed")
             results = list(self._calls.collect(flight.call))
+            if len(results) != len(jobs):
+                raise RuntimeError(f"the aligner answered {len(results)} of {len(jobs)} inputs")
         except Exception:
             results = [self._align_alone(job) for job in jobs]  # one bad input must not sink the rest
         finished = time.perf_counter()
@@ -233,11 +235,13 @@ class AlignerWorker:
                 self.stats.probes += 1
             else:
                 self.stats.jobs += 1
-            if aligned is None:
+            words = None
+            if aligned is not None:
+                with contextlib.suppress(Exception):  # words it cannot place fall back like a failure
+                    words = job.words_from(aligned)
+            if words is None:
                 self.stats.failures += 0 if job.probe else 1
                 words = job.fallback
-            else:
-                words = job.words_from(aligned)
             done(job, words)
 
     def _align(self, jobs: list[AlignJob]) -> list[list[AlignedWord]]:

@@ -1,12 +1,14 @@
-"""The stage under faults: a device call whose readiness check raises still answers its jobs, a
-stream whose wrapped engine fails takes its queued jobs out of the aligner's queue, and a stream
-turned from "off" with no room for it is refused rather than queued behind its open wrapped stream."""
+"""The stage under faults: a device call whose readiness check raises still answers its jobs, answers
+the aligner gets wrong fall back without stopping its worker, a stream whose wrapped engine fails
+takes its queued jobs out of the aligner's queue, and a stream turned from "off" with no room for it
+is refused rather than queued behind its open wrapped stream."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,6 +79,58 @@ def test_a_call_whose_readiness_check_raises_still_answers_its_jobs() -> None:
     finally:
         worker.stop()
     assert [[w.text for w in words] for words in answered] == [["still", "aligned"], ["next", "one"]]
+
+
+class WrongAnswers(SpreadAligner):
+    """Answers batches of more than one input with one list too few, and times a word "nan"."""
+
+    def align(self, batch: Sequence[AlignInput]) -> list[list[AlignedWord]]:
+        out = super().align(batch)
+        if any("nan" in text for _, _, text, _ in batch):
+            return [[replace(w, start_s=float("nan")) for w in words] for words in out]
+        return out[:-1] if len(out) > 1 else out
+
+
+def test_answers_the_aligner_gets_wrong_fall_back_and_the_worker_goes_on() -> None:
+    """Too few answers for a batch: each input is aligned alone; words it cannot place: the
+    engine's own; either way every job is answered and later ones are still aligned."""
+    answered: dict[str, tuple[WordTiming, ...]] = {}
+    gate = threading.Event()
+    texts = ["held first", "then these", "two together", "nan here", "after all"]
+
+    def on_done(job: AlignJob, words: tuple[WordTiming, ...]) -> None:
+        with landed:
+            answered[job.text] = words
+            landed.notify_all()
+
+    def until_answered(count: int) -> None:
+        with landed:
+            assert landed.wait_for(lambda: len(answered) == count, 3), (
+                f"unanswered: {set(texts) - set(answered)}"
+            )
+
+    landed = threading.Condition()
+    aligner = WrongAnswers(gate=gate)
+    worker = AlignerWorker(aligner)
+    worker.start()
+    try:
+        worker.submit(_job(texts[0]), on_done)
+        assert aligner.entered.wait(3)
+        worker.submit(_job(texts[1]), on_done)  # queued behind the held call: one batch of two
+        worker.submit(_job(texts[2]), on_done)
+        gate.set()
+        until_answered(3)
+        worker.submit(_job(texts[3]), on_done)
+        until_answered(4)
+        worker.submit(_job(texts[4]), on_done)
+        until_answered(5)
+    finally:
+        worker.stop()
+    assert [w.text for w in answered["then these"]] == ["then", "these"]  # aligned alone
+    assert [w.text for w in answered["two together"]] == ["two", "together"]
+    assert answered["nan here"] == ()  # the job's fallback: the engine gave no words here
+    assert [w.text for w in answered["after all"]] == ["after", "all"]
+    assert worker.stats.failures == 1
 
 
 async def test_a_failed_stream_takes_its_queued_jobs_out_of_the_aligner(engines) -> None:
