@@ -236,8 +236,8 @@ class CartesiaSocket(DialectSocket):
             ctx.stream = int(message["stream"])
             self.by_stream[(id(link), ctx.stream)] = ctx
         elif ctx.finished:
-            if kind == "utterance.interrupted":
-                self._forget(ctx)
+            if kind in ("utterance.done", "utterance.interrupted", "error"):
+                self._forget(ctx)  # a cancel may cross the utterance's end: either way it is over
             return  # cancelled: nothing more for it
         elif kind == "words":
             words = message.get("words") or []

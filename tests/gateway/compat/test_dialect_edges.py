@@ -11,7 +11,8 @@ import io
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import av
 import httpx
@@ -19,6 +20,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from gateway.compat.cartesia import CartesiaSocket, _Context
 from gateway.config import GatewayConfig
 from tests.fakes import FakeEngine, word_ms
 from tests.integration.conftest import RunningGateway, run_gateway
@@ -169,3 +171,29 @@ async def test_a_context_ended_by_an_error_ends_its_engine_stream(dialect: str) 
             while not (engine.streams and engine.streams[0].cancelled) and time.monotonic() < deadline:  # noqa: ASYNC110 (another thread)
                 await asyncio.sleep(0.05)
             assert engine.streams and engine.streams[0].cancelled
+
+
+class _Link:
+    """The native session's side of a link: what the dialect sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("reply", ["utterance.done", "utterance.interrupted"])
+async def test_a_cartesia_cancel_crossing_the_utterances_end_leaves_no_context_behind(reply: str) -> None:
+    """A cancel that reaches the gateway as the utterance ends is answered by whichever of done or
+    interrupted the engine gives: the socket forgets the context either way (a long conversation
+    of many contexts keeps none of them)."""
+    socket = CartesiaSocket(cast(Any, None), cast(Any, SimpleNamespace(serve_native=None)))
+    link = _Link()
+    ctx = _Context("turn-1", "k1", cast(Any, link), False, 2, 24_000, stream=3)
+    socket.contexts[ctx.context_id], socket.by_utterance["k1"] = ctx, ctx
+    socket.by_stream[(id(link), 3)] = ctx
+    await socket.on_text(json.dumps({"context_id": "turn-1", "cancel": True}))
+    assert link.sent == [{"type": "speak.cancel", "utterance_id": "k1"}]
+    await socket.on_link_message(cast(Any, link), {"type": reply, "utterance_id": "k1"})
+    assert socket.contexts == {} and socket.by_stream == {} and socket.by_utterance == {}
