@@ -471,7 +471,10 @@ def _output_request(f: _Fields) -> OutputRequest:
             raise f.fail(f"output.{name} must be one of {options}", "unsupported_output")
     if encoding in TELEPHONY_ENCODINGS and rate is not None and rate != 8000:
         raise f.fail(f"{encoding} is 8000 Hz only", "unsupported_output")
-    return OutputRequest(encoding, rate, packet)
+    # a JSON number may come as 24000.0: the packetiser cuts and slices by these, so they are ints
+    return OutputRequest(
+        encoding, None if rate is None else int(rate), None if packet is None else int(packet)
+    )
 
 
 def _session_start(f: _Fields) -> SessionStart:
@@ -580,5 +583,8 @@ def decode(frame: str | bytes) -> ClientMessage:
     decoder = _DECODERS.get(kind)
     if decoder is None:
         shown = kind[:40] if _is_valid_unicode(kind) else "?"
-        raise ProtocolError("unknown_type", f"unknown message type {shown!r}")
+        uid = raw.get("utterance_id")  # every error names the utterance its message named
+        raise ProtocolError(
+            "unknown_type", f"unknown message type {shown!r}", uid if isinstance(uid, str) else None
+        )
     return decoder(_Fields(raw, kind))

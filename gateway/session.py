@@ -129,6 +129,9 @@ class Session:
         self._listeners: dict[str, StreamListener] = {}  # streams that hand their chunks over
         self._pulls: dict[str, asyncio.Task[None]] = {}  # streams iterated by a task
         self._first_text_at: dict[str, float] = {}
+        # an ended stream's wait for admission, until its trailer is sent: a pause holds the trailer
+        # back past the stream's end, and utterance.done still says how long it waited
+        self._queue_waits: dict[str, float] = {}
         self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
         self._throttled: dict[str, asyncio.Event] = {}  # iterated streams held back (set: go on)
         self._counted_active = 0
@@ -339,6 +342,7 @@ class Session:
                 utt = self.protocol.by_stream(stream)
                 if utt is not None:  # delivered: its first packet went out before its trailer
                     self._first_text_at.pop(utt.utterance_id, None)
+                    self._queue_waits.pop(utt.utterance_id, None)
                 self._execute(self.protocol.trailer_sent(stream))
                 continue
             assert isinstance(item, Packet)
@@ -424,6 +428,10 @@ class Session:
     def _stream_ended(self, utterance_id: str) -> None:
         actions = self.protocol.stream_ended(utterance_id)
         self._execute(actions)  # its utterance.done, while the stream still tells its queue wait
+        utt = self.protocol.utterance(utterance_id)
+        waited = self._queue_wait(utterance_id)
+        if waited and utt is not None and utt.status.active:  # its trailer is still to be sent
+            self._queue_waits[utterance_id] = waited
         self._streams.pop(utterance_id, None)
         self._listeners.pop(utterance_id, None)
 
@@ -491,6 +499,7 @@ class Session:
             elif isinstance(action, CancelStream):
                 self._cancel_stream(action.utterance_id)
                 self._first_text_at.pop(action.utterance_id, None)
+                self._queue_waits.pop(action.utterance_id, None)
             elif isinstance(action, Close):
                 self.queue.put_control(CloseItem(action.code, action.reason))
             elif isinstance(action, Hold | Unhold | Throttle | WakeAt):
@@ -573,7 +582,7 @@ class Session:
     def _queue_wait(self, utterance_id: str) -> float:
         """Seconds the utterance's engine stream waited for admission (0: admitted at once)."""
         stream = self._streams.get(utterance_id)
-        return 0.0 if stream is None else stream.queue_wait_s()
+        return self._queue_waits.get(utterance_id, 0.0) if stream is None else stream.queue_wait_s()
 
     def _count_active(self) -> None:
         active = self.protocol.active_count
@@ -582,4 +591,5 @@ class Session:
             self._counted_active = active
         if active == 0:
             self._first_text_at.clear()  # a failed utterance sends no trailer to pop its entry
+            self._queue_waits.clear()
             self._idle.set()

@@ -106,7 +106,8 @@ class SessionProtocol(EngineFeedback, Admission):
         for utt in list(self._paused.values()):
             if utt.pause is not None and now + _CLOCK_SLACK_S >= utt.pause.deadline:
                 out += self._interrupt(utt, None, now)
-        if not self._active and now - self.last_message_at > self.config.idle_timeout_s:
+        # a paused utterance is in progress: it waits for its unpause or its own timeout
+        if not self._active and not self._paused and now - self.last_message_at > self.config.idle_timeout_s:
             out += self._close(CLOSE_NORMAL, "idle timeout")
         return out
 
