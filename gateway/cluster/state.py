@@ -113,13 +113,14 @@ class _DirectoryStream(SynthesisStream):
 
     def cancel(self) -> None:
         self.inner.cancel()
+        # a stream cancelled before its first pull is never iterated: its end is said here
+        self.cluster.live_ended(self.key)
 
     def queue_position(self) -> QueuePosition | None:
         return self.inner.queue_position()
 
     def queue_wait_s(self) -> float:
         return self.inner.queue_wait_s()
-        self.cluster.live_ended(self.key)
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
         try:

@@ -191,8 +191,8 @@ class Store:
             async with asyncio.timeout(self.timeout_s):
                 await self.client.unguarded("PING")
         except Exception as exc:
-            if not is_outage(exc):
-                raise
+            # an error instead of PONG (BUSY: a long script; MASTERDOWN) is a store that cannot
+            # serve either, and must not end the watch that closes the breaker once it can
             self.trip(exc)
             return False
         if not self.up:

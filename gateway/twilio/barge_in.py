@@ -91,7 +91,7 @@ class BargeIn(Playout):
         if clear:
             self._to_twilio.append(twilio_message(self.stream_sid, "clear"))
             cleared = {u for u in targets if u.on_line}
-            self._marks = {k: m for k, m in self._marks.items() if m.utterance not in cleared}
+            self._void(lambda m: m.utterance in cleared)
             for line in cleared:
                 line.on_line = False
         return list(zip(targets, positions, strict=True))

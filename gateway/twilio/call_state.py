@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections import deque
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
@@ -73,6 +73,9 @@ class CallState:
         self.line_free_at = self.loop.time()  # when the line last finished sending an utterance
         self.vad = EnergyVad(options.vad_threshold_dbfs, options.vad_attack_ms, options.vad_hang_ms)
         self._marks: dict[str, Mark] = {}  # sent, not yet back, not voided by a clear
+        # voided marks whose echo is still to come: Twilio echoes each mark once, and a mark sent
+        # since may bear the same name (an unpause, an utterance id used again)
+        self._voided: Counter[str] = Counter()
         self._to_twilio: deque[dict[str, Any]] = deque()  # control (clear), ahead of media
         self._to_agent: asyncio.Queue[str | None] = asyncio.Queue()
         self._wake = asyncio.Event()
@@ -106,8 +109,13 @@ class CallState:
         line.queue.clear()
         line.sent.clear()
         line.on_line = False
-        self._marks = {k: m for k, m in self._marks.items() if m.utterance is not line}
+        self._void(lambda m: m.utterance is line)
         self._end_engine(line)
+
+    def _void(self, voided: Callable[[Mark], bool]) -> None:
+        """Drop the outstanding marks `voided` picks; their echoes, still to come, are ignored."""
+        self._voided.update(k for k, m in self._marks.items() if voided(m))
+        self._marks = {k: m for k, m in self._marks.items() if not voided(m)}
 
     def _end_engine(self, line: PhoneUtterance) -> None:
         with contextlib.suppress(Exception):

@@ -21,6 +21,11 @@ class Playout(CallState):
 
     def _on_mark(self, name: str, now: float) -> None:
         """A mark came back: a playback report (the audio before it has been heard)."""
+        if self._voided[name]:  # a voided mark's echo, ahead of any later mark of that name
+            self._voided[name] -= 1
+            if not self._voided[name]:
+                del self._voided[name]
+            return
         mark = self._marks.pop(name, None)
         if mark is None:
             return  # voided by a clear, or not ours
