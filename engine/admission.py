@@ -220,6 +220,8 @@ class Admission(Generic[T]):
         self._interval_s: float | None = None  # running mean between two admissions from the queue
         self._last_from_queue: float | None = None
         self._waits: deque[tuple[float, float]] = deque()  # (admitted at, waited) over the window
+        # the one expiry timer armed (arm_expiry): its loop, when it fires (clock time), its handle
+        self._expiry_timer: tuple[asyncio.AbstractEventLoop, float, asyncio.TimerHandle] | None = None
 
     # -- the engine's view -------------------------------------------------------------------------
     def capacity(self) -> int:
@@ -332,9 +334,21 @@ class Admission(Generic[T]):
     def arm_expiry(self, loop: asyncio.AbstractEventLoop | None, expire: Callable[[], None]) -> None:
         """For an engine on an event loop: `expire` runs once the first queued request's max wait
         has passed (a timer may fire early: `expire` arms the next one)."""
-        wait = self.until_expiry()
-        if wait is not None and loop is not None:
-            loop.call_later(wait + 0.001, expire)
+        at = self.next_expiry()
+        if at is None or loop is None:
+            return
+        armed = self._expiry_timer
+        if armed is not None and armed[0] is loop and not loop.is_closed():
+            if armed[1] <= at:
+                return  # the timer armed already fires by then: one more would run every pass twice
+            armed[2].cancel()
+
+        def fire() -> None:
+            self._expiry_timer = None
+            expire()
+
+        handle = loop.call_later(max(0.0, at - self.clock()) + 0.001, fire)
+        self._expiry_timer = (loop, at, handle)
 
     def next_expiry(self) -> float | None:
         """When the first queued request's max wait passes (clock time), or None."""

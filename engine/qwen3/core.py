@@ -101,14 +101,24 @@ class EngineCore:
             return outs
         try:
             result = self.runner.execute(plan, self._ready_text)
+            with self._lock:  # an output that does not fit the plan is the step's failure too
+                done = self.scheduler.update(plan, result)
         except Exception as exc:  # a failed step ends its requests, never the engine
             ids = {r.request_id for r in plan.decode} | {c.request_id for c in plan.prefill}
             ids |= {c.request_id for c in plan.codec}
             with self._lock:
+                # a request admitted in this plan without a row in it owns a codec reset or a
+                # prefix copy that may never have run: its rows' state is not what it assumes
+                s = self.scheduler
+                owners = [s.codec_pool.owner(slot) for slot in plan.codec_resets]
+                owners += [s.kv.pool.owner(c.kv_slot) for c in plan.prefix_copies]
+                ids |= {rid for rid in owners if rid is not None}
+                # audio launched in an earlier step comes back with a later step's output (a runner
+                # that defers Code2Wav): the failed step may have taken it, and nothing sends it again
+                ids |= {rid for rid, r in s.requests.items() if r.frames_launched != r.frames_decoded}
                 outs += self.scheduler.fail(sorted(ids), f"{type(exc).__name__}: {exc}")
             return outs
-        with self._lock:
-            outs += self.scheduler.update(plan, result)
+        outs += done
         self.steps += 1
         return outs
 

@@ -218,9 +218,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if request.segments:
             self._start_next_segment(request)
-        elif request.text_closed:
-            request.status = RequestStatus.FINISHED_STOPPED
-            del self.requests[request.request_id]
+        elif request.text_closed:  # nothing to say: it ends here, and its admission place with it
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def add_segment(self, request_id: str, segment: Segment) -> None:
         r = self.requests.get(request_id)
