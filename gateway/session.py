@@ -132,6 +132,9 @@ class Session:
         # an ended stream's wait for admission, until its trailer is sent: a pause holds the trailer
         # back past the stream's end, and utterance.done still says how long it waited
         self._queue_waits: dict[str, float] = {}
+        # utterances whose utterance.done is queued and counted in the RTF: a pause may take it back
+        # and queue it again at the unpause, which counts nothing more
+        self._rtf_observed: set[str] = set()
         self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
         self._throttled: dict[str, asyncio.Event] = {}  # iterated streams held back (set: go on)
         self._counted_active = 0
@@ -343,6 +346,7 @@ class Session:
                 if utt is not None:  # delivered: its first packet went out before its trailer
                     self._first_text_at.pop(utt.utterance_id, None)
                     self._queue_waits.pop(utt.utterance_id, None)
+                    self._rtf_observed.discard(utt.utterance_id)
                 self._execute(self.protocol.trailer_sent(stream))
                 continue
             assert isinstance(item, Packet)
@@ -438,8 +442,9 @@ class Session:
     def _stream_failed(self, utterance_id: str, exc: BaseException) -> None:
         if not isinstance(exc, EngineError):
             log.error("engine stream of %s failed", utterance_id, exc_info=exc)
-        self._streams.pop(utterance_id, None)
-        self._listeners.pop(utterance_id, None)
+        # cancelled: when the session is what failed (a chunk it could not take), the engine would
+        # go on making audio for nobody
+        self._cancel_stream(utterance_id)
         self._execute(self.protocol.stream_failed(utterance_id, exc))
 
     def _take_chunk(self, utterance_id: str, chunk: AudioChunk) -> None:
@@ -495,11 +500,16 @@ class Session:
             elif isinstance(action, CloseText):
                 stream = self._streams.get(action.utterance_id)
                 if stream is not None:
-                    stream.close_text()
+                    try:
+                        stream.close_text()
+                    except Exception as exc:  # fails this utterance only, as a failed push does
+                        self._cancel_stream(action.utterance_id)
+                        pending.extend(self.protocol.stream_failed(action.utterance_id, exc))
             elif isinstance(action, CancelStream):
                 self._cancel_stream(action.utterance_id)
                 self._first_text_at.pop(action.utterance_id, None)
                 self._queue_waits.pop(action.utterance_id, None)
+                self._rtf_observed.discard(action.utterance_id)
             elif isinstance(action, Close):
                 self.queue.put_control(CloseItem(action.code, action.reason))
             elif isinstance(action, Hold | Unhold | Throttle | WakeAt):
@@ -574,7 +584,12 @@ class Session:
             message["queued_ms"] = round(1000 * waited)
         # kept until the trailer is sent: the first packet may still be queued ahead of it
         started = self._first_text_at.get(message["utterance_id"])
-        if started is not None and message["duration_ms"] > 0:
+        if (
+            started is not None
+            and message["duration_ms"] > 0
+            and message["utterance_id"] not in self._rtf_observed
+        ):
+            self._rtf_observed.add(message["utterance_id"])
             self.metrics.rtf.labels("stream").observe(
                 (self._loop.time() - started - waited) / (message["duration_ms"] / 1000)
             )
@@ -592,4 +607,5 @@ class Session:
         if active == 0:
             self._first_text_at.clear()  # a failed utterance sends no trailer to pop its entry
             self._queue_waits.clear()
+            self._rtf_observed.clear()
             self._idle.set()
