@@ -458,7 +458,10 @@ class WorkerStream(SynthesisStream):
             async for chunk in self.channel:
                 yield chunk
         finally:
-            self.pool._forget(self.rid)
+            # still the pool's: the consumer left before the stream's end (it broke out, or its task
+            # was cancelled), and the worker would otherwise go on generating what nobody reads
+            if self.rid in self.pool._streams:
+                self.cancel()
 
     def listen(self, listener: ChunkListener) -> bool:
         """The channel hands the chunks over. The pool forgets the request at its final chunk, end
@@ -540,6 +543,8 @@ class WorkerPoolEngine:
         self._ready: dict[int, asyncio.Future[EngineInfo]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._promoting = False  # `_promote` is admitting from the queue
+        self._promote_again = False  # room freed meanwhile: it admits once more
         self._generations = itertools.count(1)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -550,7 +555,10 @@ class WorkerPoolEngine:
         self.info = infos[0]
 
     async def stop(self) -> None:
-        self._stopping = True
+        self._stopping = True  # from here on nothing is admitted or dispatched (`_promote`, `open`)
+        for ticket in self.admission.queued_tickets():  # never to be admitted: refused now
+            ticket.item.channel.fail(Overloaded("engine stopping", retry_after_s=1.0))
+            self._forget(ticket.item.rid)
         for worker in self.workers:
             if worker is not None and worker.alive:
                 with contextlib.suppress(OSError, ValueError):
@@ -756,8 +764,20 @@ class WorkerPoolEngine:
         stream.held = []
 
     def _promote(self) -> None:
-        for ticket in self.admission.admit_waiting():
-            self._dispatch(ticket.item)
+        if self._stopping:  # every worker has been told to stop, or soon is
+            return
+        if self._promoting:  # a dispatch that failed freed its place: the loop below admits again
+            self._promote_again = True
+            return
+        self._promoting = True
+        try:
+            self._promote_again = True
+            while self._promote_again:  # a loop, not a recursion, however long the queue
+                self._promote_again = False
+                for ticket in self.admission.admit_waiting():
+                    self._dispatch(ticket.item)
+        finally:
+            self._promoting = False
 
     def _expire(self) -> None:
         for ticket in self.admission.expire():
@@ -769,7 +789,7 @@ class WorkerPoolEngine:
         voice = request.voice
         if voice is not None and voice not in self.info.voices and voice not in self._voices:
             raise UnknownVoice(f"unknown voice {voice!r}")
-        if not self.live_workers():
+        if self._stopping or not self.live_workers():
             raise Overloaded("every engine worker is busy or restarting", retry_after_s=1.0)
         stream = WorkerStream(self, next(self._rids), request)
         stream.ticket = self.admission.arrive(stream, request.priority, request.max_wait_s)  # or Overloaded

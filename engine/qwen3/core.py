@@ -12,14 +12,21 @@ condition when there is nothing to do.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 from engine.qwen3.plan import RequestOutput, StepOutput, StepPlan
-from engine.qwen3.request import Request, Segment
+from engine.qwen3.request import Request, RequestStatus, Segment
 from engine.qwen3.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# after a fault that failed every request, the loop waits this long (or for an input) before it
+# steps again: a fault that outlives the requests it failed must not spin the step thread
+FAULT_BACKOFF_S = 0.05
 
 
 class StepRunner(Protocol):
@@ -56,6 +63,7 @@ class EngineCore:
         self._stopping = False
         self._inputs = 0  # bumped by every input, so the loop never sleeps through one
         self.steps = 0
+        self.faults = 0  # faults outside the runner that failed every request (`_fail_all`)
 
     # -- inputs (any thread) -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -92,11 +100,16 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        with self._lock:
-            outs = self._process_aborts() + self.scheduler.expire()
-        outs += self._process_text()
-        with self._lock:
-            plan = self.scheduler.schedule()
+        outs: list[RequestOutput] = []
+        try:
+            with self._lock:
+                outs += self._process_aborts()
+                outs += self.scheduler.expire()
+            outs += self._process_text()
+            with self._lock:
+                plan = self.scheduler.schedule()
+        except Exception as exc:  # nothing tells which requests it hit: all fail, the outputs so far go out
+            return outs + self._fail_all(exc)
         if plan.is_empty and not plan.freed_kv_slots:
             return outs
         try:
@@ -192,6 +205,42 @@ class EngineCore:
         if outs and self.sink is not None:
             self.sink(outs)
 
+    def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Fail every live request with the fault's message (a fault outside the runner's step)."""
+        log.error("engine step fault: failing every request", exc_info=exc)
+        self.faults += 1
+        try:
+            with self._lock:
+                return self.scheduler.fail(list(self.scheduler.requests), f"{type(exc).__name__}: {exc}")
+        except Exception:  # the scheduler cannot fail them either: the thread still serves new ones
+            log.exception("engine requests could not be failed after a fault")
+            return []
+
+    def _sink_failed(self, outs: list[RequestOutput], exc: BaseException) -> None:
+        """The sink raised on a step's outputs: any of them may be lost, so each of their requests
+        fails, told one by one so that one request's fault in the sink does not hide the others'."""
+        log.error("engine output sink fault: failing its step's requests", exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        ids = list(dict.fromkeys(o.request_id for o in outs))
+        try:
+            with self._lock:
+                fails = self.scheduler.fail(ids, error)
+        except Exception:  # the scheduler cannot fail them: their ends are still told below
+            log.exception("engine requests could not be failed after a sink fault")
+            fails = []
+        # a request that finished in this step is no longer the scheduler's: its end is told here
+        told = {o.request_id for o in fails}
+        fails += [
+            RequestOutput(rid, finished=True, status=RequestStatus.FINISHED_ERROR, error=error)
+            for rid in ids
+            if rid not in told
+        ]
+        for out in fails:
+            try:
+                self._emit([out])
+            except Exception:
+                log.exception("engine output sink could not take request %s's failure", out.request_id)
+
     # -- the loop thread -----------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is not None:
@@ -231,9 +280,21 @@ class EngineCore:
                     self._wake.wait(self.scheduler.until_expiry())
                 if self._stopping:
                     return
-                inputs, steps = self._inputs, self.steps
-            outs = self.step()
-            self._emit(outs)
+                inputs, steps, faults = self._inputs, self.steps, self.faults
+            # the thread outlives any fault: the requests a fault may have hit fail, the rest go on
+            try:
+                outs = self.step()
+            except Exception as exc:
+                outs = self._fail_all(exc)
+            try:
+                self._emit(outs)
+            except Exception as exc:
+                self._sink_failed(outs, exc)
+            if self.faults != faults:
+                with self._wake:  # every input and stop notifies: the wait ends early for them
+                    if not self._stopping and self._inputs == inputs:
+                        self._wake.wait(FAULT_BACKOFF_S)
+                continue
             if self.steps == steps and not outs:
                 # nothing could run (e.g. every Code2Wav row is held): sleep until an input arrives
                 with self._wake:
