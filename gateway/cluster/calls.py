@@ -245,7 +245,10 @@ class CallRouter:
 
     async def _ping(self, link_id: str, link: _Link) -> None:
         while True:
-            await self.send(link.peer, {"op": "ping", "link": link_id})
+            # a ping lost to the store (the breaker says so, once) must not end the pinger: the
+            # link lives on if the store is back before the peer's LINK_DEAD_S runs out
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await self.send(link.peer, {"op": "ping", "link": link_id})
             await asyncio.sleep(LINK_PING_S)
 
     # -- the owner's end of a link ------------------------------------------------------------

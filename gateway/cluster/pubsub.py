@@ -1,6 +1,7 @@
 """A Redis pub/sub subscription that outlives outages of the store: subscribe, hand every message to
 a synchronous callback in arrival order, and when the connection is lost open the store's breaker
-and subscribe again once it closes. The loss is logged once per outage, and so is the return."""
+and subscribe again once it closes; a subscription answered with an error is tried again too. The
+loss is logged once per outage, and so is the return."""
 
 from __future__ import annotations
 
@@ -46,12 +47,15 @@ async def listen_forever(
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
             raise
         except Exception as exc:
-            if not is_outage(exc):
-                raise
+            # an error answer (BUSY: a long script; a refused SUBSCRIBE) ends this subscription
+            # as an outage does and must not end the listener, which subscribes again after the
+            # pause below. It leaves the breaker to the probe (a busy store fails PING too): an
+            # error of SUBSCRIBE alone must not take the store from every other command.
             if not lost:
                 lost = True
                 log.warning("%s subscription lost (%s); subscribing again when the store answers", name, exc)
-            store.trip(exc)
+            if is_outage(exc):
+                store.trip(exc)
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
             await asyncio.sleep(store.probe_s)  # a store that answers PING but refuses SUBSCRIBE

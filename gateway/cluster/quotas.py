@@ -216,9 +216,13 @@ class SharedQuotas(Quotas):
                 )
             try:
                 results = await self.store.execute(pipe)
-            except StoreUnavailable:
+            except Exception:
                 if not full:
                     self._dirty.update(fields)
+                # the characters go with the next write, else the shared budget never counts
+                # them (a write that timed out yet was applied counts them twice: the safer side)
+                for key_id, count in spent.items():
+                    self._spent[key_id] = self._spent.get(key_id, 0) + count
                 raise
             for key_id, level in zip(synced, results[len(results) - len(synced) :], strict=True):
                 self._lower_bucket(key_id, float(level))

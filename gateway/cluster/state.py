@@ -158,6 +158,7 @@ class Cluster:
 
             self.calls = CallRouter(self.store, self.replica_id, twilio, prefix, registry=self.registry)
         self._live: dict[str, str] = {}  # directory entries of the live utterances held here
+        self._live_writes: dict[str, asyncio.Task[Any]] = {}  # their SETs still on the way
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._calls = itertools.count(1)
@@ -225,10 +226,11 @@ class Cluster:
         await self.voices.close()
         await self.store.close()
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)
+        return task
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -280,11 +282,25 @@ class Cluster:
         value = f"{self.replica_id} {request_id.partition('/')[0]}"
         self._live[key] = value
         if self.store.up:  # else written when the store is back (reassert)
-            self.spawn(self.redis.set(key, value, ex=LIVE_TTL_S))
+            written = self.spawn(self.redis.set(key, value, ex=LIVE_TTL_S))
+            self._live_writes[key] = written
+            written.add_done_callback(lambda task: self._landed(key, task))
+
+    def _landed(self, key: str, written: asyncio.Task[Any]) -> None:
+        if self._live_writes.get(key) is written:
+            del self._live_writes[key]
 
     def live_ended(self, key: str) -> None:
+        written = self._live_writes.pop(key, None)
         if self._live.pop(key, None) is not None and self.store.up:
-            self.spawn(self.redis.expire(key, ENDED_TTL_S))
+            self.spawn(self._expire_after(written, key))
+
+    async def _expire_after(self, written: asyncio.Task[Any] | None, key: str) -> None:
+        """The ended entry's short life, set after its SET lands: the two go over different
+        connections, and an EXPIRE that came first would leave the SET's hour standing."""
+        if written is not None:
+            await asyncio.wait([written])
+        await self.redis.expire(key, ENDED_TTL_S)
 
     async def replicas(self) -> list[str]:
         """The live replicas, from the store."""

@@ -87,8 +87,10 @@ class SharedVoiceRegistry(VoiceRegistry):
         return voice, refusal
 
     async def _write(self, voice: Voice) -> None:
+        # FLAC of a long clip takes tens of milliseconds: off the loop, which streams audio
+        fields = await asyncio.to_thread(voice_to_redis, voice)
         with self.store.patient(WRITE_TIMEOUT_S):
-            await self.client.hset(self._item_key(voice.voice_id), mapping=voice_to_redis(voice))
+            await self.client.hset(self._item_key(voice.voice_id), mapping=fields)
         await self.client.sadd(f"{self.prefix}voices", voice.voice_id)
 
     def remove(self, voice_id: str) -> None:
@@ -119,7 +121,7 @@ class SharedVoiceRegistry(VoiceRegistry):
         if not fields:
             return None
         try:
-            voice = voice_from_redis(voice_id, fields)
+            voice = await asyncio.to_thread(voice_from_redis, voice_id, fields)  # off the loop, as in _write
         except (KeyError, ValueError, RuntimeError) as exc:
             log.warning("voice %s in Redis is unreadable: %s", voice_id, exc)
             return None
