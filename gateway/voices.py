@@ -163,7 +163,7 @@ class VoiceRegistry:
         voice = Voice(f"v_{secrets.token_hex(8)}", name, owner, text, rate, audio, time.time())
         refusal = await self._register(voice)
         self._voices[voice.voice_id] = voice
-        self._save(voice)
+        await asyncio.to_thread(self._save, voice)  # FLAC and the disk, off the loop that streams audio
         return voice, refusal
 
     def remove(self, voice_id: str) -> None:
