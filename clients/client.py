@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -116,10 +117,18 @@ class Error:
     message: str
     utterance_id: str | None = None
     retry_after_ms: int | None = None  # overloaded: when a retry may be admitted
+    # False: it refused one message about an utterance under way (an append past the limit, an
+    # unpause of one not paused), and that utterance goes on to its Done
+    ends_utterance: bool = True
 
 
 Event = Started | Queued | Packet | Words | Done | Interrupted | Paused | Unpaused | Error
 _TERMINAL = (Done, Interrupted, Error)
+# errors that answer a message and leave an utterance the engine has taken as it was (protocol.md);
+# before its `utterance.started` the same codes refuse to open it
+MESSAGE_REFUSED_CODES = frozenset(
+    {"text_too_long", "rate_limited", "utterance_closed", "not_paused", "utterance_exists", "invalid_message"}
+)
 
 
 class ClientError(Exception):
@@ -219,7 +228,13 @@ class PlaybackClock:
         if self.first_packet_at is None:
             self.first_packet_at = at
             self._anchor_at = at + self.buffer_s
-        elif self._paused_at is None and at > self._anchor_at and self._position(at) >= self.received:
+        # an empty packet (the header-only last one) brings no audio: its coming late is no underrun
+        elif (
+            samples
+            and self._paused_at is None
+            and at > self._anchor_at
+            and self._position(at) >= self.received
+        ):
             self.underruns += 1  # the player ran dry before this packet came: resume from now
             dry_at = self._anchor_at + (self.received - self._anchor_pos) / self.sample_rate
             self.stall_s += max(0.0, at - dry_at)
@@ -374,13 +389,13 @@ class Session:
 
     # -- receiving -----------------------------------------------------------------------------------
     async def events(self, utterance_id: str) -> AsyncIterator[Event]:
-        """Events of one utterance until its Done, Interrupted or Error."""
+        """Events of one utterance until its Done, Interrupted or an Error that ends it."""
         utterance = self._utterance(utterance_id)
         try:
             while True:
                 event = await utterance.queue.get()
                 yield event
-                if isinstance(event, _TERMINAL):
+                if isinstance(event, _TERMINAL) and getattr(event, "ends_utterance", True):
                     return
         finally:
             utterance.finished = True
@@ -439,7 +454,16 @@ class Session:
             self._on_interrupt(event)
         uid = getattr(event, "utterance_id", None)
         if uid and uid in self._utterances:
-            self._utterances[uid].queue.put_nowait(event)
+            utterance = self._utterances[uid]
+            if isinstance(event, Started):
+                utterance.stream = event.stream
+            elif (
+                isinstance(event, Error)
+                and utterance.stream is not None
+                and event.code in MESSAGE_REFUSED_CODES
+            ):
+                event = dataclasses.replace(event, ends_utterance=False)
+            utterance.queue.put_nowait(event)
         elif isinstance(event, Error):
             self.errors.append(event)
             if not uid:  # a session-level error: every open utterance learns of it

@@ -155,6 +155,7 @@ class CadenceStream(tts.SynthesizeStream):
             raise APIConnectionError(f"cannot reach Cadence: {exc}") from exc
         text = ""  # what this turn sent, for the timed transcript's pieces
         finished = False
+        sent = asyncio.Event()  # the first text went, or the input ended without any
         self._cadence.current = uid
 
         async def send() -> None:
@@ -167,12 +168,17 @@ class CadenceStream(tts.SynthesizeStream):
                 self._mark_started()
                 await session.append(uid, data)
                 text += data
+                sent.set()
+            sent.set()
             if text:
                 await session.end(uid)
 
         async def receive() -> None:
             nonlocal finished
             heard_to = 0  # where the previous word's piece ended in `text`
+            await sent.wait()
+            if not text:  # no text, so no utterance was opened: nothing will come for it
+                return
             async for event in session.events(uid):
                 if isinstance(event, Packet):
                     output_emitter.push(event.payload)
@@ -193,7 +199,7 @@ class CadenceStream(tts.SynthesizeStream):
                 elif isinstance(event, Done | Interrupted):
                     finished = True
                     return
-                elif isinstance(event, Error):
+                elif isinstance(event, Error) and event.ends_utterance:
                     finished = True
                     raise APIError(f"Cadence {event.code}: {event.message}")
 

@@ -42,6 +42,7 @@ from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import WebsocketTTSService
 from websockets.protocol import State
 
+from clients.client import MESSAGE_REFUSED_CODES
 from gateway.messages import HEADER_BYTES, unpack_packet
 
 
@@ -261,6 +262,10 @@ class CadenceTTSService(WebsocketTTSService):
                 await self.remove_audio_context(context_id)
         elif kind == "error":
             await self.push_error(error_msg=f"Cadence {message.get('code')}: {message.get('message')}")
+            # a refused append (or unpause) of a turn Cadence has started leaves that turn playing
+            started = context_id in self._streams.values()
+            if started and message.get("code") in MESSAGE_REFUSED_CODES:
+                return
             if context_id and self.audio_context_available(context_id):
                 self._forget(context_id)
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
