@@ -15,6 +15,7 @@ Retry-After when the engine is overloaded, 500 for engine failures.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -298,9 +299,21 @@ def make_speech_endpoint(
         except ValueError:
             return fail(400, "invalid_message", "the body is not valid JSON")
         try:
-            req = parse_speech_request(body, config, engine.info, aliases)
+            if isinstance(body, dict) and body.get("ref_audio") is not None:
+                # a reference clip is decoded like a registered one: off the event loop that
+                # carries every session's audio, and within the registry's decode time
+                req = await asyncio.wait_for(
+                    asyncio.to_thread(parse_speech_request, body, config, engine.info, aliases),
+                    config.voice_decode_timeout_s,
+                )
+            else:
+                req = parse_speech_request(body, config, engine.info, aliases)
         except BadRequest as exc:
             return fail(400, exc.code, exc.message)
+        except TimeoutError:
+            return fail(
+                400, "invalid_audio", "`ref_audio` took too long to decode: send a shorter or simpler file"
+            )
         principal: Principal = getattr(request.state, "principal", ANONYMOUS)
         if not principal.may_use_voice(req.voice):
             return fail(403, "unauthorized", f"this token may not use voice {req.voice!r}")
@@ -371,6 +384,9 @@ def make_speech_endpoint(
             )
         media_type = MEDIA_TYPES[req.response_format]
         if req.response_format == "flac":  # whole: its header holds the length
+            # nothing is sent before the end, so no send notices a client that leaves: a watcher
+            # does, and cancels the stream rather than let it synthesise for no one
+            watcher = asyncio.ensure_future(_cancel_when_gone(request, stream))
             try:
                 async for piece, _ in synthesis.pieces():
                     encoder.encode(np.frombuffer(piece, dtype="<i2"))
@@ -381,6 +397,8 @@ def make_speech_endpoint(
                         429, "overloaded", public_message(exc), {"Retry-After": str(max(1, math.ceil(wait)))}
                     )
                 return fail(500, error_code(exc), public_message(exc))
+            finally:
+                watcher.cancel()
             return Response(encoder.finish(), media_type=media_type, headers=headers)
         return StreamingResponse(
             _file_bytes(synthesis, encoder, metrics),
@@ -390,6 +408,13 @@ def make_speech_endpoint(
         )
 
     return speech
+
+
+async def _cancel_when_gone(request: Request, stream: SynthesisStream) -> None:
+    """Cancel `stream` once the client disconnects (its body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()
 
 
 async def _file_bytes(

@@ -253,7 +253,10 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
                     "presets": list(registry.engine.info.voices),
                 }
             )
-        body = await read_limited(request, config.max_voice_upload_bytes * 4 // 3 + 4096)
+        # a JSON body carries the file as base64 (4/3 of it) and the fields; a raw body is the file
+        json_body = request.headers.get("content-type", "").startswith("application/json")
+        limit = config.max_voice_upload_bytes * 4 // 3 + 4096 if json_body else config.max_voice_upload_bytes
+        body = await read_limited(request, limit)
         if body is None:
             return _error(
                 413, "invalid_audio", f"uploads are limited to {config.max_voice_upload_bytes} bytes"

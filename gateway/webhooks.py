@@ -148,11 +148,19 @@ class WebhookSender:
             self.stats.attempts += 1
             retry_after: float | None = None
             try:
-                response = await client.post(
-                    url, content=body, headers=headers, timeout=self.policy.timeout_s
+                # httpx's timeout bounds each read or write, not the attempt: a receiver that
+                # trickles its answer would hold the delivery (and its place in flight) for good
+                async with asyncio.timeout(self.policy.timeout_s):
+                    response = await client.post(
+                        url, content=body, headers=headers, timeout=self.policy.timeout_s
+                    )
+            except httpx.InvalidURL as exc:  # no attempt can reach it
+                log.warning("webhook %s to %s: %s", delivery_id, url, exc)
+                break
+            except (httpx.HTTPError, TimeoutError) as exc:
+                log.info(
+                    "webhook %s to %s, attempt %d: %s", delivery_id, url, attempt, str(exc) or "timed out"
                 )
-            except httpx.HTTPError as exc:
-                log.info("webhook %s to %s, attempt %d: %s", delivery_id, url, attempt, exc)
             else:
                 if 200 <= response.status_code < 300:
                     self.stats.delivered += 1
