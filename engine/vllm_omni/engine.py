@@ -699,6 +699,9 @@ class VllmOmniStream(SynthesisStream):
     # -- SynthesisStream -------------------------------------------------------------------------------
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"vllm-omni {self.request_id}")
+        # a task cancelled before its first step never enters _run (nor its cleanup): the place
+        # is given back here too (forget does it once)
+        self.task.add_done_callback(lambda _: self._engine.forget(self))
 
     def push(self, segment: TextSegment) -> None:
         if self._text_closed:

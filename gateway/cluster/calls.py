@@ -78,7 +78,7 @@ class _LinkSink:
         self.router, self.relay, self.link_id = router, relay, link_id
 
     async def send_text(self, data: str) -> None:
-        await self.router.send(self.relay, {"op": "event", "link": self.link_id, "text": data})
+        await self.router.send_on_link(self.relay, {"op": "event", "link": self.link_id, "text": data})
 
 
 class CallRouter:
@@ -154,6 +154,26 @@ class CallRouter:
 
     async def send(self, replica: str, message: dict[str, Any]) -> None:
         await self.redis.publish(self.channel_of(replica), json.dumps(message))
+
+    async def send_on_link(self, replica: str, message: dict[str, Any]) -> None:
+        """A link's frame or event, published again while the store is away: the link lives on,
+        and loses nothing, if the store is back before the peer's LINK_DEAD_S runs out (each side
+        publishes from one task, so the order holds); a store away longer ends it, as silence does."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINK_DEAD_S
+        while True:
+            try:
+                await self.send(replica, message)
+                return
+            except (aioredis.RedisError, OSError):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+                if self.store.up:  # a failure that left the breaker closed: try again shortly
+                    await asyncio.sleep(min(remaining, self.store.probe_s))
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.store.wait_up(), remaining)
 
     # -- the directory ------------------------------------------------------------------------
     def call_started(self, call_sid: str) -> None:
@@ -418,12 +438,13 @@ class CallRouter:
             deliver = self._spawn(self._deliver(websocket, link))
             tasks = [forward, deliver, self._spawn(self._ping(link_id, link))]
             await asyncio.wait({forward, deliver}, return_when=asyncio.FIRST_COMPLETED)
+            # lost: the owner went silent, or the store stayed away past LINK_DEAD_S for a frame
             if (
                 deliver.done()
                 and not deliver.cancelled()
                 and deliver.exception() is None
                 and not deliver.result()
-            ):
+            ) or (forward.done() and not forward.cancelled() and forward.exception() is not None):
                 self.outcomes.labels("lost").inc()
                 message = "the replica holding this call stopped answering"
                 await _send(websocket, {"type": "error", "code": "call_lost", "message": message})
@@ -449,12 +470,12 @@ class CallRouter:
         while True:
             frame = await frames.get()
             if frame is None:
-                await self.send(owner, {"op": "detach", "link": link_id})
+                await self.send_on_link(owner, {"op": "detach", "link": link_id})
                 return
             if isinstance(frame, str):
-                await self.send(owner, {"op": "frame", "link": link_id, "text": frame})
+                await self.send_on_link(owner, {"op": "frame", "link": link_id, "text": frame})
             else:
-                await self.send(owner, {"op": "binary", "link": link_id})
+                await self.send_on_link(owner, {"op": "binary", "link": link_id})
 
     async def _deliver(self, websocket: WebSocket, link: _Link) -> bool:
         """The call's events to the agent; True when the owner closed the link, False when it

@@ -8,6 +8,7 @@ the engine's audio. `Call` takes what Twilio and the agent send.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,8 @@ from gateway.messages import (
 from gateway.twilio.call_actions import CallActions
 from gateway.twilio.media import inbound_pcm
 from gateway.twilio.vad import EnergyVad
+
+log = logging.getLogger("cadence.twilio")
 
 
 class Call(CallActions):
@@ -55,12 +58,20 @@ class Call(CallActions):
 
     def on_twilio(self, message: Mapping[str, Any], now: float) -> None:
         event = message.get("event")
+        if event in ("media", "mark", "dtmf"):
+            body = message.get(event) or {}
+            if not isinstance(body, Mapping):
+                # one malformed event is dropped alone: the call and the events after it go on
+                log.warning(
+                    "call %s: Twilio %s event whose %r is not an object, ignored", self.call_sid, event, event
+                )
+                return
         if event == "media":
-            self._on_media(message.get("media") or {}, now)
+            self._on_media(body, now)
         elif event == "mark":
-            self._on_mark(str((message.get("mark") or {}).get("name", "")), now)
+            self._on_mark(str(body.get("name", "")), now)
         elif event == "dtmf":
-            self.to_agent({"type": "dtmf", "digit": str((message.get("dtmf") or {}).get("digit", ""))})
+            self.to_agent({"type": "dtmf", "digit": str(body.get("digit", ""))})
         elif event == "stop":
             self.end("stop")
 
