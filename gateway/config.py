@@ -56,8 +56,6 @@ class GatewayConfig:
     # so is one whose control lane holds more than `control_queue_max` messages
     slow_client_timeout_s: float = 10.0
     control_queue_max: int = 2_000
-    # REST: request bodies larger than this (bytes) get 413 before they are read whole
-    max_body_bytes: int = 1 << 20
     # voice registry: reference clip upload size (bytes), seconds allowed to decode it, voices kept
     max_voice_upload_bytes: int = 10 << 20
     voice_decode_timeout_s: float = 5.0
@@ -91,7 +89,6 @@ class GatewayConfig:
             "history_size": self.history_size,
             "max_utterances_per_session": self.max_utterances_per_session,
             "control_queue_max": self.control_queue_max,
-            "max_body_bytes": self.max_body_bytes,
             "max_voice_upload_bytes": self.max_voice_upload_bytes,
             "max_voices": self.max_voices,
             "text_timeout_s": self.text_timeout_s,

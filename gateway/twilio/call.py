@@ -40,10 +40,13 @@ class Call(CallActions):
 
     # -- the Twilio side ----------------------------------------------------------------------
     def on_start(self, message: Mapping[str, Any]) -> None:
-        start = message.get("start") or {}
+        # Twilio sends objects here; anything else says nothing, and the call goes on with defaults
+        start = message.get("start")
+        start = start if isinstance(start, Mapping) else {}
         self.stream_sid = str(message.get("streamSid") or start.get("streamSid") or "")
-        self.start_info = dict(start)
-        params = start.get("customParameters") or {}
+        params = start.get("customParameters")
+        params = params if isinstance(params, Mapping) else {}
+        self.start_info = {**start, "customParameters": dict(params)}
         self.options = self.options.with_parameters(params)
         self.vad = EnergyVad(
             self.options.vad_threshold_dbfs, self.options.vad_attack_ms, self.options.vad_hang_ms

@@ -99,8 +99,11 @@ class TwilioGateway:
                 if call is None:
                     if message.get("event") != "start":
                         continue  # `connected` (and anything before start)
+                    start = message.get("start")
                     call_sid = str(
-                        (message.get("start") or {}).get("callSid") or message.get("streamSid") or ""
+                        (start.get("callSid") if isinstance(start, dict) else None)
+                        or message.get("streamSid")
+                        or ""
                     )
                     call = self._call(call_sid)
                     if call.twilio is not None:

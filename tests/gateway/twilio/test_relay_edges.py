@@ -167,3 +167,17 @@ async def test_a_twilio_event_whose_field_is_not_an_object_is_dropped_alone(
             assert not agent.of_type("call.ended") and not agent.of_type("error")
     logged = [r.getMessage() for r in caplog.records if r.name == "cadence.twilio"]
     assert sum("is not an object" in line for line in logged) == 3
+
+
+async def test_a_start_whose_custom_parameters_are_not_an_object_still_starts_the_call(
+    espeak_gateway: RunningGateway,
+) -> None:
+    """`customParameters` as a string: no parameters, and the call goes on with the defaults."""
+    sid = "CA-malformed-start"
+    oops: Any = "voice=x"
+    async with TwilioSimulator(twilio_url(espeak_gateway), call_sid=sid, custom_parameters=oops):
+        async with agent_for(espeak_gateway, sid) as agent:
+            await agent.until("call.started")
+            await agent.say("u1", "Still on the line.")
+            await agent.until("utterance.played", utterance_id="u1")
+            assert not agent.of_type("error")
