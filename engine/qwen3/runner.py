@@ -249,6 +249,9 @@ class Runner:
         self.codec_graphs = GraphBank(dev, enabled=not config.enforce_eager)
         self.samples_per_frame = codec.samples_per_frame
         self._codec_primes: dict[int, Tensor] = {}  # codec slot -> reference codes to run through it
+        # codec slots whose reference clip is given since their last reset: a prompt prefilled again
+        # (a preemption before the first frame) must not run the clip through the slot a second time
+        self._primed: set[int] = set()
         self.codec_states: CodecStateCache | None = (
             CodecStateCache(config.codec_state_cache_bytes) if config.codec_state_cache_bytes > 0 else None
         )
@@ -317,6 +320,10 @@ class Runner:
         hidden: list[Tensor] = []
         meta: list[tuple[int, int, int]] = []  # per sampling row: slot, segment step, noise counter
         fig = self.figures
+        # a reset slot starts afresh: a clip left for it by a step that failed is its last owner's
+        for slot in plan.codec_resets:
+            self._codec_primes.pop(slot, None)
+        self._primed.difference_update(plan.codec_resets)
         if plan.prefix_copies:
             assert self.prefix_cache is not None, "prefix copies planned without a prefix cache"
             by_key: dict[str, list[int]] = defaultdict(list)  # one write per voice prefix
@@ -570,10 +577,16 @@ class Runner:
     def _setup_slot(self, c: PrefillChunk) -> None:
         """Fill a slot's tables at the start of a segment (or of a resume after preemption)."""
         slot, prompt, s = c.kv_slot, c.payload.embeds, c.sampling
-        if c.payload.ref_codes is not None and c.utterance_frame == 0 and not c.codes:
+        if (
+            c.payload.ref_codes is not None
+            and c.utterance_frame == 0
+            and not c.codes
+            and c.codec_slot not in self._primed
+        ):
             # an in-context clone's audio continues its reference clip, as upstream decodes
             # reference + generated codes and cuts the reference off: prime the codec state with it
             self._codec_primes[c.codec_slot] = c.payload.ref_codes
+            self._primed.add(c.codec_slot)
         n = prompt.trailing.shape[0]
         self.trail[slot, :n] = prompt.trailing.to(self.dtype)
         self.trail[slot, n] = prompt.tts_pad.to(self.dtype)
