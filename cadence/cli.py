@@ -18,7 +18,9 @@ def _env(name: str, default: str | None) -> str | None:
 def _option(
     p: argparse.ArgumentParser, flag: str, help: str, *, env: str, shown: str | None = None, **kw: Any
 ) -> None:
-    """A flag whose help names its variable and its default (`shown`, else the value it takes)."""
+    """A flag whose help names its variable and its default (`shown`, else the value it takes). A
+    default given as text goes through `type` as the flag's value would, so a bad variable is
+    refused with the same usage error as a bad flag."""
     default = "%(default)s" if shown is None else shown
     p.add_argument(flag, help=f"{help} [{env}; default: {default}]", **kw)
 
@@ -37,6 +39,18 @@ def _switch(
         default = _env(name, "0") == "1"
         text = f"{help} [{env}=1; default: {'on' if default else 'off'}]"
         p.add_argument(flag, action="store_true", default=default, help=text, **kw)
+
+
+def _port(text: str) -> int:
+    """`--port N`: a TCP port (0: any free one); the socket layer would take a larger number modulo
+    65536 and listen on another port than the one asked for."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be a TCP port, 0 to 65535 (not {text!r})")
+    return port
 
 
 def _streams(text: str) -> int | None:
@@ -76,7 +90,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=_env("host", "127.0.0.1"),
     )
     _option(
-        p, "--port", "listen port", env="CADENCE_PORT", type=int, default=int(_env("port", "8000") or 8000)
+        p, "--port", "listen port", env="CADENCE_PORT", type=_port, default=_env("port", "8000") or "8000"
     )
     _option(
         p,
@@ -152,7 +166,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "(auto: from the GPU's memory for qwen3, from the cost measured at start for espeak)",
         env="CADENCE_MAX_STREAMS",
         type=_streams,
-        default=_streams(_env("max_streams", "auto") or "auto"),
+        default=_env("max_streams", "auto") or "auto",
         shown="auto",
     )
     _option(
@@ -162,7 +176,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "takes as many as it holds)",
         env="CADENCE_KV_MEMORY",
         type=_share,
-        default=_share(_env("kv_memory", "0.25") or "0.25"),
+        default=_env("kv_memory", "0.25") or "0.25",
         shown="0.25",
     )
     _option(
@@ -179,7 +193,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "concurrent vLLM-Omni generations; keep <= the server's --max-num-seqs",
         env="CADENCE_UPSTREAM_STREAMS",
         type=int,
-        default=int(_env("upstream_streams", "8") or 8),
+        default=_env("upstream_streams", "8") or "8",
     )
     _switch(
         p,
@@ -251,7 +265,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "open WebSocket sessions per API key (across replicas with --redis)",
         env="CADENCE_QUOTA_SESSIONS",
         type=int,
-        default=int(_env("quota_sessions", "100") or 100),
+        default=_env("quota_sessions", "100") or "100",
     )
     _option(
         p,
@@ -259,7 +273,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "utterances in progress per API key",
         env="CADENCE_QUOTA_UTTERANCES",
         type=int,
-        default=int(_env("quota_utterances", "64") or 64),
+        default=_env("quota_utterances", "64") or "64",
     )
     _option(
         p,
@@ -267,7 +281,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "text characters per minute per API key",
         env="CADENCE_QUOTA_CHARS_PER_MINUTE",
         type=int,
-        default=int(_env("quota_chars_per_minute", "100000") or 100000),
+        default=_env("quota_chars_per_minute", "100000") or "100000",
     )
     _option(
         p,

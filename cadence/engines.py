@@ -38,7 +38,10 @@ class EngineOptions:
 def gpu_count(gpus: str) -> int:
     """`--gpus all` -> the visible CUDA devices; `--gpus N` -> N."""
     if gpus != "all":
-        count = int(gpus)
+        try:
+            count = int(gpus)
+        except ValueError:
+            count = 0
         if count < 1:
             raise SystemExit("--gpus must be 'all' or a positive number")
         return count

@@ -48,7 +48,10 @@ def gateway_count(text: str, gpus: str | None) -> int:
     """`--gateways K` or `auto`: one per GPU when `--gpus` names more than one, else one."""
     if text == "auto":
         return gpu_count(gpus) if gpus not in (None, "0") else 1
-    count = int(text)
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
     if count < 1:
         raise SystemExit("--gateways must be a positive number or auto")
     return count
@@ -149,6 +152,8 @@ class Supervisor:
         )
         process.start()
         self.processes[index], self.ready[index] = process, ready
+        if self.stopping and process.pid is not None:  # a signal while it started found no process
+            os.kill(process.pid, signal.SIGTERM)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.stopping:
@@ -162,7 +167,8 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for index in range(len(self.shares)):
-            self._start(index)
+            if not self.stopping:  # a signal while they start stops the ones started, starts no more
+                self._start(index)
         print(f"cadence: {len(self.shares)} gateway processes on port {self.plan.port}", flush=True)
         code = 0
         while not self.stopping:
@@ -224,7 +230,10 @@ def serve_gateways(plan: GatewayPlan, gateways: int) -> int:
     else:
         assert gpus is not None
         shares = list(gpu_shares(gpu_count(gpus), gateways, os.environ.get("CUDA_VISIBLE_DEVICES")))
-    anchor = reuseport_socket(plan.host, plan.port)  # a port in use fails here, before any start
+    try:
+        anchor = reuseport_socket(plan.host, plan.port)  # a port in use fails here, before any start
+    except OSError as e:
+        raise SystemExit(f"cadence: cannot bind {plan.host}:{plan.port}: {e}") from None
     try:
         port = int(anchor.getsockname()[1])
         return Supervisor(replace(plan, port=port), shares).run()

@@ -3,12 +3,15 @@ drain and close the open sessions with 1001, then let uvicorn finish (lifespan s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import ipaddress
 import logging
 import os
+import signal
 import socket
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import uvicorn
@@ -179,6 +182,22 @@ class GatewayServer(uvicorn.Server):
         self.freeze_gc = freeze_gc
         self.gc_pauses: GcPauses | None = None
         self.on_started: Callable[[], None] | None = None  # once serving (a supervising parent's cue)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT and SIGTERM start the orderly shutdown, as in uvicorn, but are not raised again
+        once it is done: the drain is what they ask for, so the process then ends with status 0
+        (uvicorn's re-raise ends it by the signal, 143, or with a KeyboardInterrupt traceback)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
