@@ -32,6 +32,7 @@ import sys
 import uuid
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -84,6 +85,17 @@ class FrameWriter(Protocol):
     def write(self, messages: Iterable[bytes | str]) -> None: ...
 
 
+@dataclass(slots=True)
+class _UtteranceClock:
+    """An utterance's timings, from its first text until its trailer is sent (a pause may hold the
+    trailer back past its stream's end, and queue it again at the unpause)."""
+
+    first_text_at: float | None = None  # None: its text is still held (no segment pushed yet)
+    queue_wait_s: float = 0.0  # its stream's wait for admission, kept once the stream has ended
+    # its utterance.done is counted in the RTF: queued again at an unpause, it counts nothing more
+    rtf_counted: bool = False
+
+
 class Session:
     def __init__(
         self,
@@ -128,13 +140,7 @@ class Session:
         self._streams: dict[str, SynthesisStream] = {}
         self._listeners: dict[str, StreamListener] = {}  # streams that hand their chunks over
         self._pulls: dict[str, asyncio.Task[None]] = {}  # streams iterated by a task
-        self._first_text_at: dict[str, float] = {}
-        # an ended stream's wait for admission, until its trailer is sent: a pause holds the trailer
-        # back past the stream's end, and utterance.done still says how long it waited
-        self._queue_waits: dict[str, float] = {}
-        # utterances whose utterance.done is queued and counted in the RTF: a pause may take it back
-        # and queue it again at the unpause, which counts nothing more
-        self._rtf_observed: set[str] = set()
+        self._clocks: dict[str, _UtteranceClock] = {}  # from the first text until the trailer is sent
         self._stream_t0: dict[int, float] = {}  # pacing: when sample 0 of the stream is due
         self._throttled: dict[str, asyncio.Event] = {}  # iterated streams held back (set: go on)
         self._counted_active = 0
@@ -344,9 +350,7 @@ class Session:
                     break
                 utt = self.protocol.by_stream(stream)
                 if utt is not None:  # delivered: its first packet went out before its trailer
-                    self._first_text_at.pop(utt.utterance_id, None)
-                    self._queue_waits.pop(utt.utterance_id, None)
-                    self._rtf_observed.discard(utt.utterance_id)
+                    self._clocks.pop(utt.utterance_id, None)
                 self._execute(self.protocol.trailer_sent(stream))
                 continue
             assert isinstance(item, Packet)
@@ -395,9 +399,10 @@ class Session:
         if packet.seq == 0:
             self._stream_t0[stream] = now
             utt = self.protocol.by_stream(stream)
-            started = self._first_text_at.get(utt.utterance_id) if utt else None
-            if started is not None and utt is not None:  # from admission, when it was queued
-                self.metrics.ttfa.labels("stream").observe(now - started - self._queue_wait(utt.utterance_id))
+            clock = self._clocks.get(utt.utterance_id) if utt else None
+            if clock is not None and clock.first_text_at is not None and utt is not None:  # from admission
+                waited = self._queue_wait(utt.utterance_id)
+                self.metrics.ttfa.labels("stream").observe(now - clock.first_text_at - waited)
         if packet.last:
             self._stream_t0.pop(stream, None)
         actions = self.protocol.packet_sent(stream, packet, now)
@@ -433,9 +438,9 @@ class Session:
         actions = self.protocol.stream_ended(utterance_id)
         self._execute(actions)  # its utterance.done, while the stream still tells its queue wait
         utt = self.protocol.utterance(utterance_id)
-        waited = self._queue_wait(utterance_id)
-        if waited and utt is not None and utt.status.active:  # its trailer is still to be sent
-            self._queue_waits[utterance_id] = waited
+        if utt is not None and utt.status.active:  # its trailer is still to be sent
+            waited = self._queue_wait(utterance_id)
+            self._clocks.setdefault(utterance_id, _UtteranceClock()).queue_wait_s = waited
         self._streams.pop(utterance_id, None)
         self._listeners.pop(utterance_id, None)
 
@@ -507,9 +512,7 @@ class Session:
                         pending.extend(self.protocol.stream_failed(action.utterance_id, exc))
             elif isinstance(action, CancelStream):
                 self._cancel_stream(action.utterance_id)
-                self._first_text_at.pop(action.utterance_id, None)
-                self._queue_waits.pop(action.utterance_id, None)
-                self._rtf_observed.discard(action.utterance_id)
+                self._clocks.pop(action.utterance_id, None)
             elif isinstance(action, Close):
                 self.queue.put_control(CloseItem(action.code, action.reason))
             elif isinstance(action, Hold | Unhold | Throttle | WakeAt):
@@ -567,7 +570,11 @@ class Session:
         stream = self._streams.get(action.utterance_id)
         if stream is None:
             return []
-        self._first_text_at.setdefault(action.utterance_id, self._loop.time())
+        clock = self._clocks.get(action.utterance_id)
+        if clock is None:
+            self._clocks[action.utterance_id] = _UtteranceClock(self._loop.time())
+        elif clock.first_text_at is None:
+            clock.first_text_at = self._loop.time()
         try:
             stream.push(action.segment)
         except Exception as exc:
@@ -583,21 +590,25 @@ class Session:
         if waited > 0:
             message["queued_ms"] = round(1000 * waited)
         # kept until the trailer is sent: the first packet may still be queued ahead of it
-        started = self._first_text_at.get(message["utterance_id"])
+        clock = self._clocks.get(message["utterance_id"])
         if (
-            started is not None
+            clock is not None
+            and clock.first_text_at is not None
             and message["duration_ms"] > 0
-            and message["utterance_id"] not in self._rtf_observed
+            and not clock.rtf_counted
         ):
-            self._rtf_observed.add(message["utterance_id"])
+            clock.rtf_counted = True
             self.metrics.rtf.labels("stream").observe(
-                (self._loop.time() - started - waited) / (message["duration_ms"] / 1000)
+                (self._loop.time() - clock.first_text_at - waited) / (message["duration_ms"] / 1000)
             )
 
     def _queue_wait(self, utterance_id: str) -> float:
         """Seconds the utterance's engine stream waited for admission (0: admitted at once)."""
         stream = self._streams.get(utterance_id)
-        return self._queue_waits.get(utterance_id, 0.0) if stream is None else stream.queue_wait_s()
+        if stream is not None:
+            return stream.queue_wait_s()
+        clock = self._clocks.get(utterance_id)
+        return 0.0 if clock is None else clock.queue_wait_s
 
     def _count_active(self) -> None:
         active = self.protocol.active_count
@@ -605,7 +616,5 @@ class Session:
             self.metrics.active_utterances.inc(active - self._counted_active)
             self._counted_active = active
         if active == 0:
-            self._first_text_at.clear()  # a failed utterance sends no trailer to pop its entry
-            self._queue_waits.clear()
-            self._rtf_observed.clear()
+            self._clocks.clear()  # a failed utterance sends no trailer to pop its entry
             self._idle.set()
