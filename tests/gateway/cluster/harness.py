@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,3 +237,27 @@ class Cluster:
 
 def tools_available() -> bool:
     return all(shutil.which(tool) for tool in ("redis-server", "nginx"))
+
+
+def redis_cli(server: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["redis-cli", "-p", str(server.redis_port), *args], capture_output=True, text=True, timeout=10
+    )
+
+
+@contextlib.asynccontextmanager
+async def endless_script(server: Cluster, busy_reply_ms: int) -> AsyncIterator[None]:
+    """A Lua script that never ends: the store answers nothing, then (after `busy_reply_ms`) every
+    command with BUSY, until `SCRIPT KILL` (the script is killed on leaving in any case)."""
+    await asyncio.to_thread(redis_cli, server, "config", "set", "busy-reply-threshold", str(busy_reply_ms))
+    script = await asyncio.create_subprocess_exec(
+        *("redis-cli", "-p", str(server.redis_port), "eval", "while true do end", "0"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        if script.returncode is None:
+            script.kill()
+            await script.wait()

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-from pathlib import Path
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -17,7 +14,7 @@ from gateway.cluster.state import Cluster as Replica
 from gateway.cluster.store import Store, StoreUnavailable
 from gateway.config import GatewayConfig
 from tests.fakes import FakeEngine
-from tests.gateway.cluster.harness import Cluster, tools_available
+from tests.gateway.cluster.harness import Cluster, endless_script, redis_cli, tools_available
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -27,20 +24,6 @@ pytestmark = [
 BUSY_REPLY_MS = 1500  # Redis answers BUSY (instead of nothing) once a script has run this long
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Any:
-    server = Cluster(tmp_path)
-    server.start_redis(persistent=False)
-    yield server
-    server.stop()
-
-
-def cli(server: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["redis-cli", "-p", str(server.redis_port), *args], capture_output=True, text=True, timeout=10
-    )
-
-
 async def test_a_store_busy_with_a_long_script_is_used_again_once_the_script_ends(
     redis_server: Cluster,
 ) -> None:
@@ -48,29 +31,19 @@ async def test_a_store_busy_with_a_long_script_is_used_again_once_the_script_end
     every command, PING included, with a BUSY error; once the script ends the breaker closes."""
     store = Store(redis_server.redis_url, probe_s=0.05)
     watcher = asyncio.create_task(store.watch())
-    script: asyncio.subprocess.Process | None = None
     try:
         assert await store.client.ping()
-        await asyncio.to_thread(
-            cli, redis_server, "config", "set", "busy-reply-threshold", str(BUSY_REPLY_MS)
-        )
-        script = await asyncio.create_subprocess_exec(
-            *("redis-cli", "-p", str(redis_server.redis_port), "eval", "while true do end", "0"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        await asyncio.sleep(0.2)
-        with pytest.raises(StoreUnavailable):  # no answer within the command deadline
-            await store.client.get("k")
-        await asyncio.sleep(BUSY_REPLY_MS / 1000 + 0.5)  # the probes get BUSY now
-        assert (await asyncio.to_thread(cli, redis_server, "script", "kill")).stdout.strip() == "OK"
-        await asyncio.wait_for(store.wait_up(), 3)
-        assert not watcher.done()
-        assert await store.client.set("k", "v")
+        async with endless_script(redis_server, BUSY_REPLY_MS):
+            await asyncio.sleep(0.2)
+            with pytest.raises(StoreUnavailable):  # no answer within the command deadline
+                await store.client.get("k")
+            await asyncio.sleep(BUSY_REPLY_MS / 1000 + 0.5)  # the probes get BUSY now
+            killed = await asyncio.to_thread(redis_cli, redis_server, "script", "kill")
+            assert killed.stdout.strip() == "OK"
+            await asyncio.wait_for(store.wait_up(), 3)
+            assert not watcher.done()
+            assert await store.client.set("k", "v")
     finally:
-        if script is not None and script.returncode is None:
-            script.kill()
-            await script.wait()
         watcher.cancel()
         await store.close()
 

@@ -35,14 +35,6 @@ pytestmark = [
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Any:
-    server = Cluster(tmp_path)
-    server.start_redis(persistent=False)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 async def stores(redis_server: Cluster) -> AsyncIterator[list[Store]]:
     made = [Store(redis_server.redis_url, probe_s=0.05) for _ in range(2)]
     yield made

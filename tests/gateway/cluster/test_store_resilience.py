@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,7 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.quotas import QuotaLimits
 from gateway.voices import Voice
 from tests.fakes import FakeEngine
-from tests.gateway.cluster.harness import Cluster, tools_available
+from tests.gateway.cluster.harness import Cluster, endless_script, redis_cli, tools_available
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -37,14 +35,6 @@ pytestmark = [
 ]
 
 BUSY_REPLY_MS = 100  # Redis answers BUSY once a script has run this long
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Any:
-    server = Cluster(tmp_path)
-    server.start_redis(persistent=False)
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -56,12 +46,6 @@ async def store(redis_server: Cluster) -> AsyncIterator[Store]:
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
     await made.close()
-
-
-def cli(server: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["redis-cli", "-p", str(server.redis_port), *args], capture_output=True, text=True, timeout=10
-    )
 
 
 async def stop_redis(server: Cluster, store: Store) -> None:
@@ -77,41 +61,31 @@ async def test_the_listener_outlives_a_subscribe_answered_with_busy(redis_server
     store = Store(redis_server.redis_url, probe_s=0.05)  # no watcher yet: the breaker stays closed
     raw = aioredis.Redis.from_url(redis_server.redis_url)
     received: list[bytes] = []
-    script: asyncio.subprocess.Process | None = None
     listener: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
     try:
-        await asyncio.to_thread(
-            cli, redis_server, "config", "set", "busy-reply-threshold", str(BUSY_REPLY_MS)
-        )
-        script = await asyncio.create_subprocess_exec(
-            *("redis-cli", "-p", str(redis_server.redis_port), "eval", "while true do end", "0"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for _ in range(100):
-            if "BUSY" in (await asyncio.to_thread(cli, redis_server, "ping")).stdout:
-                break
-        else:
-            pytest.fail("the script did not make the store answer BUSY")
-        listener = asyncio.create_task(
-            listen_forever(
-                store, ["chan"], lambda _channel, data: received.append(data), asyncio.Event(), "test"
+        async with endless_script(redis_server, BUSY_REPLY_MS):
+            for _ in range(100):
+                if "BUSY" in (await asyncio.to_thread(redis_cli, redis_server, "ping")).stdout:
+                    break
+            else:
+                pytest.fail("the script did not make the store answer BUSY")
+            listener = asyncio.create_task(
+                listen_forever(
+                    store, ["chan"], lambda _channel, data: received.append(data), asyncio.Event(), "test"
+                )
             )
-        )
-        await asyncio.sleep(0.5)  # a few SUBSCRIBEs answered with BUSY
-        assert not listener.done(), listener.exception()
-        watcher = asyncio.create_task(store.watch())
-        assert (await asyncio.to_thread(cli, redis_server, "script", "kill")).stdout.strip() == "OK"
-        async with asyncio.timeout(5):
-            while not received:
-                await raw.publish("chan", b"hello")
-                await asyncio.sleep(0.05)
-        assert received[0] == b"hello" and not listener.done()
+            await asyncio.sleep(0.5)  # a few SUBSCRIBEs answered with BUSY
+            assert not listener.done(), listener.exception()
+            watcher = asyncio.create_task(store.watch())
+            killed = await asyncio.to_thread(redis_cli, redis_server, "script", "kill")
+            assert killed.stdout.strip() == "OK"
+            async with asyncio.timeout(5):
+                while not received:
+                    await raw.publish("chan", b"hello")
+                    await asyncio.sleep(0.05)
+            assert received[0] == b"hello" and not listener.done()
     finally:
-        if script is not None and script.returncode is None:
-            script.kill()
-            await script.wait()
         for task in (listener, watcher):
             if task is not None:
                 task.cancel()
