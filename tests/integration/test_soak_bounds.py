@@ -67,5 +67,5 @@ async def test_failed_and_finished_utterances_leave_no_per_utterance_state(
                 break
             await asyncio.sleep(0.02)
         assert live.protocol.active_count == 0
-        assert not live._first_text_at and not live._streams and not live._pulls and not live._stream_t0
+        assert not live._clocks and not live._streams and not live._pulls and not live._stream_t0
         assert len(live.protocol._history) == min(30, GatewayConfig().history_size)
