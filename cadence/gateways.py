@@ -16,6 +16,8 @@ The parent holds the port (bound, not listening, so it takes no connections) and
 gateway that dies after it became ready is started again; one that dies before it ever became
 ready stops them all (a start-up fault is not cured by retrying). SIGTERM or SIGINT to the parent
 is passed on once to every gateway, each of which drains its sessions as a single gateway does.
+The parent exits 0 only when every gateway ended as a stop ends; one it did not ask to stop, or
+one that died otherwise while it drained, makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ log = logging.getLogger("cadence.gateways")
 RESTART_DELAY_S = 1.0  # before a gateway that died is started again
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S: past that the parent gives up and stops them all
 RESTART_WINDOW_S = 60.0
+# how a gateway asked to stop ends: drained (0), stopped before it served (gateway_main's 3), or
+# stopped by the signal itself, before its server took SIGTERM over
+STOPPED = (0, 3, -signal.SIGTERM)
 
 
 def gateway_count(text: str, gpus: str | None) -> int:
@@ -89,6 +94,13 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def ending(exitcode: int | None) -> str:
+    """A process's end in words: the signal that killed it, or its exit status."""
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
 
 
 def _stop_with_parent() -> None:
@@ -141,6 +153,7 @@ class Supervisor:
         self.processes: list[BaseProcess | None] = [None] * len(shares)
         self.ready: list[Event | None] = [None] * len(shares)
         self.stopping = False
+        self.asked_to_stop: set[int] = set()  # the pids this parent sent SIGTERM
         self.restarts: list[float] = []
 
     def _start(self, index: int) -> None:
@@ -152,18 +165,24 @@ class Supervisor:
         )
         process.start()
         self.processes[index], self.ready[index] = process, ready
-        if self.stopping and process.pid is not None:  # a signal while it started found no process
+        if self.stopping:  # a signal while it started found no process
+            self._stop(process)
+
+    def _stop(self, process: BaseProcess) -> None:
+        if process.pid is not None and process.exitcode is None:
             os.kill(process.pid, signal.SIGTERM)
+            self.asked_to_stop.add(process.pid)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.stopping:
             self.stopping = True
             for process in self.processes:
-                if process is not None and process.pid is not None and process.exitcode is None:
-                    os.kill(process.pid, signal.SIGTERM)
+                if process is not None:
+                    self._stop(process)
 
     def run(self) -> int:
-        """Until a signal (0) or a gateway fault that restarting does not cure (1)."""
+        """Until a signal (0 once every gateway drained, else 1) or a gateway fault that restarting
+        does not cure (1)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for index in range(len(self.shares)):
@@ -182,37 +201,70 @@ class Supervisor:
                     self._on_signal(signal.SIGTERM, None)
                     break
         self._join()
-        return code
+        return max(code, self._unstopped())
 
     def _gone(self, index: int) -> int:
         process, ready = self.processes[index], self.ready[index]
         assert process is not None and ready is not None
         process.join()
+        self.processes[index] = None  # its death is told here, not again at the end
         if not ready.is_set():
             log.error("gateway %d exited (%s) before it was ready: stopping", index, process.exitcode)
-            print(f"cadence: gateway {index} failed to start (exit {process.exitcode})", file=sys.stderr)
+            print(
+                f"cadence: gateway {index} (pid {process.pid}) failed to start: {ending(process.exitcode)}",
+                file=sys.stderr,
+            )
             return 1
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
         if len(self.restarts) > MAX_RESTARTS:
             print(f"cadence: gateways died {len(self.restarts)} times in a minute: stopping", file=sys.stderr)
             return 1
-        print(f"cadence: gateway {index} exited ({process.exitcode}); starting it again", file=sys.stderr)
+        print(
+            f"cadence: gateway {index} (pid {process.pid}) ended unexpectedly: {ending(process.exitcode)}; "
+            "starting it again",
+            file=sys.stderr,
+        )
         time.sleep(RESTART_DELAY_S)
-        if not self.stopping:
-            self._start(index)
+        if self.stopping:  # its sessions ended undrained, and nothing replaced it
+            print(f"cadence: gateway {index} was not started again: stopping", file=sys.stderr)
+            return 1
+        self._start(index)
         return 0
 
     def _join(self) -> None:
         """Every gateway drains within the drain timeout (plus uvicorn's margin), or is killed."""
-        deadline = time.monotonic() + self.plan.config.drain_timeout_s + 10
-        for process in self.processes:
+        grace_s = self.plan.config.drain_timeout_s + 10
+        deadline = time.monotonic() + grace_s
+        for index, process in enumerate(self.processes):
             if process is None:
                 continue
             process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
+                print(
+                    f"cadence: gateway {index} (pid {process.pid}) did not drain within {grace_s:.0f} s: killing it",
+                    file=sys.stderr,
+                )
                 process.kill()
                 process.join()
+
+    def _unstopped(self) -> int:
+        """1 if a gateway ended otherwise than a stop ends (each said on standard error), else 0."""
+        code = 0
+        for index, process in enumerate(self.processes):
+            if process is None:
+                continue
+            asked = process.pid in self.asked_to_stop
+            if asked and process.exitcode in STOPPED:
+                continue
+            when = "while it drained" if asked else "not asked to stop"
+            print(
+                f"cadence: gateway {index} (pid {process.pid}) ended unexpectedly ({when}): "
+                f"{ending(process.exitcode)}",
+                file=sys.stderr,
+            )
+            code = 1
+        return code
 
 
 def serve_gateways(plan: GatewayPlan, gateways: int) -> int:
