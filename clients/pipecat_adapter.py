@@ -18,6 +18,12 @@ if the user stops and no interruption comes within the timeout, it goes on (`spe
 the first sample after the fence, and the later words' times move by the pause. Let Pipecat
 interrupt on words, not on the VAD alone (a minimum-words turn start strategy), or every sound
 interrupts at once.
+
+A lost connection (a network fault, or the server closing the socket) takes its Cadence session,
+and the text of its unfinished turns, with it: each such turn ends there with a non-fatal
+`ErrorFrame` that names it (category connectivity) and its `TTSStoppedFrame` (the audio received
+still plays). The connection is then made again, by Pipecat's reconnect or at the next turn's text,
+and later text is spoken on it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import WebsocketTTSService
+from pipecat.utils.errors import ErrorCategory
 from websockets.protocol import State
 
 from clients.client import MESSAGE_REFUSED_CODES
@@ -77,6 +84,7 @@ class CadenceTTSService(WebsocketTTSService):
         self._requested_rate = sample_rate
         self._streams: dict[int, str] = {}  # Cadence stream handle -> Pipecat context id
         self._open: set[str] = set()  # context ids with an utterance still taking text
+        self._unfinished: dict[str, None] = {}  # turns sent to Cadence whose audio has not all come, in order
         self._receive_task: Any = None
         self.interruptions: list[dict[str, Any]] = []  # Cadence's reports of the cancelled turns
         self.pauses: list[dict[str, Any]] = []  # Cadence's reports of the paused turns
@@ -97,7 +105,9 @@ class CadenceTTSService(WebsocketTTSService):
     async def _connect(self) -> None:
         await super()._connect()
         await self._connect_websocket()
-        if self._websocket is not None and self._receive_task is None:
+        # a receive loop that ended (its connection closed and was not made again) is started anew
+        receiving = self._receive_task is not None and not self._receive_task.done()
+        if self._websocket is not None and not receiving:
             self._receive_task = self.create_task(self._receive_task_handler(self._report_error))
 
     async def _disconnect(self) -> None:
@@ -154,6 +164,7 @@ class CadenceTTSService(WebsocketTTSService):
                 {"type": "speak.append", "utterance_id": context_id, "text": text, "flush": True}
             )
             self._open.add(context_id)
+            self._unfinished[context_id] = None
             await self.start_tts_usage_metrics(text)
             yield None
         except Exception as exc:
@@ -171,6 +182,7 @@ class CadenceTTSService(WebsocketTTSService):
         """Pipecat interrupted the turn: cancel it on Cadence (the fence stops its packets)."""
         await self.stop_all_metrics()
         self._paused.pop(context_id, None)
+        self._unfinished.pop(context_id, None)  # ended by the user, not lost with a connection
         if context_id and self._websocket is not None:
             self._open.discard(context_id)
             await self._send({"type": "speak.cancel", "utterance_id": context_id})
@@ -214,11 +226,29 @@ class CadenceTTSService(WebsocketTTSService):
     # -- audio and words out ------------------------------------------------------------------
     async def _receive_messages(self) -> None:
         assert self._websocket is not None
-        async for frame in self._websocket:
-            if isinstance(frame, bytes):
-                await self._on_packet(frame)
-            else:
-                await self._on_message(json.loads(frame))
+        try:
+            async for frame in self._websocket:
+                if isinstance(frame, bytes):
+                    await self._on_packet(frame)
+                else:
+                    await self._on_message(json.loads(frame))
+        finally:
+            if not self._disconnecting:  # not our own close: the server or the network ended it
+                await self._end_lost_turns()
+
+    async def _end_lost_turns(self) -> None:
+        """The connection is gone, and with it Cadence's session: the rest of each unfinished
+        turn will never come, so each ends now with an error frame that names it."""
+        lost, self._unfinished = self._unfinished, {}
+        for context_id in lost:
+            self._forget(context_id)
+            await self.push_error(
+                error_msg=f"Cadence connection lost: turn {context_id} ended before all its audio came",
+                category=ErrorCategory.CONNECTIVITY,
+            )
+            if self.audio_context_available(context_id):
+                await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+                await self.remove_audio_context(context_id)
 
     async def _on_packet(self, frame: bytes) -> None:
         if len(frame) < HEADER_BYTES:
@@ -266,6 +296,7 @@ class CadenceTTSService(WebsocketTTSService):
             started = context_id in self._streams.values()
             if started and message.get("code") in MESSAGE_REFUSED_CODES:
                 return
+            self._unfinished.pop(str(context_id), None)  # it ended here, with its error
             if context_id and self.audio_context_available(context_id):
                 self._forget(context_id)
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
@@ -287,6 +318,7 @@ class CadenceTTSService(WebsocketTTSService):
 
     def _forget(self, context_id: str) -> None:
         self._open.discard(context_id)
+        self._unfinished.pop(context_id, None)
         self._paused.pop(context_id, None)
         for state in (self._words, self._received_ms, self._shift_s):
             state.pop(context_id, None)

@@ -303,3 +303,7 @@ class Engine(Protocol):
         self, voice_id: str, audio: npt.NDArray[np.float32], sample_rate: int, text: str | None
     ) -> None:
         """Prepare a reusable voice from a reference clip (raises InvalidAudio, InvalidRequest)."""
+
+    async def unregister_voice(self, voice_id: str) -> None:
+        """Release what `register_voice` keeps for `voice_id` (its prompt, its clip); streams already
+        open in it finish, later requests get UnknownVoice. An id it does not hold is no error."""

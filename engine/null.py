@@ -287,6 +287,9 @@ class NullEngine:
     ) -> None:
         raise InvalidRequest("the null engine cannot clone voices")
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        return None  # it keeps no voices
+
     # -- admission -----------------------------------------------------------------------------
     def _gone(self, stream: NullStream) -> None:
         """A stream finished or was cancelled: its place goes to the next one queued."""

@@ -37,7 +37,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -349,7 +349,11 @@ class _WorkerLoop:
             except Exception as exc:
                 self.post("fail", args[0], *error_to_wire(exc))
         elif op == "voice":
-            self._spawn(self._register(*args))
+            call_id, voice_id, audio, rate, text = args
+            self._spawn(self._answer(call_id, self.engine.register_voice(voice_id, audio, rate, text)))
+        elif op == "unvoice":
+            call_id, voice_id = args
+            self._spawn(self._answer(call_id, self.engine.unregister_voice(voice_id)))
         elif op == "stop":
             self.stopped.set()
 
@@ -368,9 +372,10 @@ class _WorkerLoop:
         except Exception as exc:
             out.fail(exc)
 
-    async def _register(self, call_id: int, voice_id: str, audio: Any, rate: int, text: str | None) -> None:
+    async def _answer(self, call_id: int, call: Awaitable[None]) -> None:
+        """Run one of the pool's calls and reply with its refusal (None: done)."""
         try:
-            await self.engine.register_voice(voice_id, audio, rate, text)
+            await call
             self.post("reply", call_id, None)
         except Exception as exc:
             self.post("reply", call_id, error_to_wire(exc))
@@ -823,6 +828,11 @@ class WorkerPoolEngine:
             raise Overloaded("no engine worker is running")
         await asyncio.gather(*(self._call(w, "voice", voice_id, audio, sample_rate, text) for w in live))
         self._voices[voice_id] = (audio, sample_rate, text)
+
+    async def unregister_voice(self, voice_id: str) -> None:
+        """Released on every live worker; a worker started later is not given it."""
+        self._voices.pop(voice_id, None)
+        await asyncio.gather(*(self._call(w, "unvoice", voice_id) for w in self.live_workers()))
 
     async def _call(self, worker: _Worker, op: str, *args: object) -> None:
         assert self._loop is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -164,6 +165,7 @@ class Gateway:
             webhooks=self.webhooks,
             key_id=principal.key_id,
             allowed_voices=principal.voices,
+            voice_usable=functools.partial(self.voices.usable_by, principal.key_id),
             quotas=quotas,
         )
         self.sessions.add(session)
@@ -315,7 +317,13 @@ def create_app(
         Route(
             "/v1/audio/speech",
             make_speech_endpoint(
-                engine, gateway.config, gateway.metrics, gateway.quotas_for, gateway.voice_aliases
+                engine,
+                gateway.config,
+                gateway.metrics,
+                gateway.quotas_for,
+                gateway.voice_aliases,
+                draining=lambda: gateway.closing,
+                voice_usable=gateway.voices.usable_by,
             ),
             methods=["POST"],
         ),
@@ -332,7 +340,15 @@ def create_app(
         *(cluster.routes() if cluster is not None else ()),
         *twilio.routes(),  # WS /v1/twilio, WS /v1/twilio/control/{call_sid}
         # ElevenLabs-, Cartesia- and vLLM-Omni-compatible WebSockets over native sessions
-        *compat_routes(Compat(gateway.stream, lambda: engine.info, gateway.voice_aliases, gateway.auth)),
+        *compat_routes(
+            Compat(
+                gateway.stream,
+                lambda: engine.info,
+                gateway.voice_aliases,
+                gateway.auth,
+                max_open_utterances=gateway.config.max_open_utterances,
+            )
+        ),
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts
     ]
     app = Starlette(

@@ -65,6 +65,11 @@ class Principal:
         """The engine default (None) is always allowed; a scoped token allows only its voices."""
         return voice is None or self.voices is None or voice in self.voices
 
+    def may_clone(self) -> bool:
+        """A clone (registered, or one-off from a reference clip) is a voice outside any list, so a
+        voice-scoped token may make none; a key, or a token without a list, may."""
+        return self.voices is None
+
 
 ANONYMOUS = Principal("anonymous")
 

@@ -10,7 +10,8 @@ flac comes whole (gateway.compat.encoding says why). `stream_format: "sse"` stre
 `speech.audio.delta` events (base64 pieces of the file in `response_format`) and ends with
 `speech.audio.done`; with `timestamps: true` it adds `speech.audio.words` events.
 Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 429 with
-Retry-After when the engine is overloaded, 500 for engine failures.
+Retry-After when the engine is overloaded, 503 `shutting_down` with Retry-After while the gateway
+drains, 500 for engine failures.
 """
 
 from __future__ import annotations
@@ -281,7 +282,12 @@ def make_speech_endpoint(
     metrics: GatewayMetrics,
     quotas_for: Callable[[Principal], Quotas | None] = lambda principal: None,
     aliases: VoiceAliases | None = None,
+    draining: Callable[[], bool] = lambda: False,
+    voice_usable: Callable[[str, str], bool] = lambda key_id, voice: True,
 ) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint; while `draining()` it refuses new requests (the ones in flight go on).
+    `voice_usable(key_id, voice)`: whether the key may speak in a voice (VoiceRegistry.usable_by)."""
+
     def fail(
         status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
     ) -> JSONResponse:
@@ -289,6 +295,8 @@ def make_speech_endpoint(
         return error_response(status, code, message, headers)
 
     async def speech(request: Request) -> Response:
+        if draining():
+            return refuse_while_draining()
         # text, plus room for a one-off reference clip (base64: 4/3 of the file)
         limit = config.max_message_bytes + config.max_text_chars * 4 + config.max_voice_upload_bytes * 4 // 3
         raw = await read_limited(request, limit)
@@ -298,8 +306,12 @@ def make_speech_endpoint(
             body = json.loads(raw)
         except ValueError:
             return fail(400, "invalid_message", "the body is not valid JSON")
+        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        one_off = isinstance(body, dict) and body.get("ref_audio") is not None
+        if one_off and not principal.may_clone():  # refused before its clip is decoded
+            return fail(403, "unauthorized", "a token limited to some voices may not clone one")
         try:
-            if isinstance(body, dict) and body.get("ref_audio") is not None:
+            if one_off:
                 # a reference clip is decoded like a registered one: off the event loop that
                 # carries every session's audio, and within the registry's decode time
                 req = await asyncio.wait_for(
@@ -314,9 +326,9 @@ def make_speech_endpoint(
             return fail(
                 400, "invalid_audio", "`ref_audio` took too long to decode: send a shorter or simpler file"
             )
-        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
-        if not principal.may_use_voice(req.voice):
-            return fail(403, "unauthorized", f"this token may not use voice {req.voice!r}")
+        refusal = voice_refusal(principal, req.voice)
+        if refusal is not None:
+            return refusal
         hold = _QuotaHold(quotas_for(principal), principal.key_id)
         try:
             hold.take(len(req.input))
@@ -332,6 +344,25 @@ def make_speech_endpoint(
         if not isinstance(response, StreamingResponse):  # done (or refused): a stream releases at its end
             hold.release()
         return response
+
+    def voice_refusal(principal: Principal, voice: str | None) -> JSONResponse | None:
+        """A scoped token's voices only, and registered voices of the caller's key only: another
+        key's voice answers as a voice that does not exist."""
+        if not principal.may_use_voice(voice):
+            return fail(403, "unauthorized", f"this token may not use voice {voice!r}")
+        if voice is not None and not voice_usable(principal.key_id, voice):
+            return fail(400, "unknown_voice", f"unknown voice {voice!r}")
+        return None
+
+    def refuse_while_draining() -> JSONResponse:
+        # the drain ends within its timeout; `Connection: close` sends the retry over a new
+        # connection, which another replica or a restarted process takes
+        return fail(
+            503,
+            "shutting_down",
+            "the server is shutting down: retry on a new connection",
+            {"Retry-After": str(max(1, math.ceil(config.drain_timeout_s))), "Connection": "close"},
+        )
 
     async def _speak(request: Request, req: SpeechRequest, hold: _QuotaHold) -> Response:
         request_id = f"rest-{uuid.uuid4().hex[:12]}"

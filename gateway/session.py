@@ -31,7 +31,7 @@ import math
 import sys
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -107,6 +107,7 @@ class Session:
         *,
         key_id: str = "anonymous",
         allowed_voices: frozenset[str] | None = None,
+        voice_usable: Callable[[str], bool] | None = None,
         quotas: Quotas | None = None,
     ) -> None:
         self.websocket = websocket
@@ -121,6 +122,7 @@ class Session:
             config,
             key_id=key_id,
             allowed_voices=allowed_voices,
+            voice_usable=voice_usable,
             quotas=quotas,
             now=self._loop.time(),
         )

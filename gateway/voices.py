@@ -9,10 +9,12 @@ fix: unreadable, empty, absurd sample rate, more than two channels, under 1 s, o
 infinite samples, silence. Stereo is mixed to mono.
 
 Ids are made by the server (`v_` + 16 hex digits): nothing the client sends reaches a path. Names
-are 1-100 printable characters. Voices belong to the key that made them: a key lists and deletes
-only its own. The clip is kept (in memory, and as FLAC + JSON under `voices_dir` when configured,
-re-registered with the engine at start-up); an engine that cannot clone (eSpeak) makes the POST a
-400 `invalid_request` saying so, while the checked clip is still stored (`"ready": false`).
+are 1-100 printable characters. Voices belong to the key that made them: a key lists, deletes and
+speaks in only its own (another key's id is answered as an unknown voice), and a token limited to
+some voices registers none. The clip is kept (in memory, and as FLAC + JSON under `voices_dir` when
+configured, re-registered with the engine at start-up) until the voice is deleted, which releases
+it from the engine too; an engine that cannot clone (eSpeak) makes the POST a 400
+`invalid_request` saying so, while the checked clip is still stored (`"ready": false`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,15 @@ class VoiceRegistry:
     def owned_by(self, owner: str) -> list[Voice]:
         return [v for v in self._voices.values() if v.owner == owner]
 
+    def usable_by(self, owner: str, voice: str) -> bool:
+        """Whether `owner` may speak in `voice`: a registered voice's id only for the key that made
+        it, so that another key's ids (and deleted ones) answer as unknown names do; any other name
+        is the engine's to judge."""
+        if not VOICE_ID.fullmatch(voice):
+            return True
+        found = self._voices.get(voice)
+        return found is not None and found.owner == owner
+
     async def add(self, owner: str, name: str, text: str | None, data: bytes) -> tuple[Voice, str | None]:
         """Check, store and register a clip; returns the voice and the engine's refusal, if any."""
         if len(self._voices) >= self.config.max_voices:
@@ -166,8 +177,8 @@ class VoiceRegistry:
         await asyncio.to_thread(self._save, voice)  # FLAC and the disk, off the loop that streams audio
         return voice, refusal
 
-    def remove(self, voice_id: str) -> None:
-        self._voices.pop(voice_id, None)
+    async def remove(self, voice_id: str) -> None:
+        await self._forget(voice_id)
         if self.directory is not None:
             for suffix in (".flac", ".json"):
                 (self.directory / f"{voice_id}{suffix}").unlink(missing_ok=True)
@@ -197,6 +208,14 @@ class VoiceRegistry:
             await self._register(voice)
             self._voices[voice.voice_id] = voice
         return len(self._voices)
+
+    async def _forget(self, voice_id: str) -> None:
+        """Drop a voice here and from the engine, which otherwise keeps its prompt for good."""
+        self._voices.pop(voice_id, None)
+        try:
+            await self.engine.unregister_voice(voice_id)
+        except EngineError as exc:  # the voice is unusable through the gateway all the same
+            log.warning("the engine kept voice %s: %s", voice_id, exc)
 
     async def _register(self, voice: Voice) -> str | None:
         try:
@@ -245,7 +264,8 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
     config = registry.config
 
     async def collection(request: Request) -> Response:
-        owner = principal_of(request).key_id
+        principal = principal_of(request)
+        owner = principal.key_id
         if request.method == "GET":
             return JSONResponse(
                 {
@@ -253,6 +273,8 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
                     "presets": list(registry.engine.info.voices),
                 }
             )
+        if not principal.may_clone():
+            return _error(403, "unauthorized", "a token limited to some voices may not register voices")
         # a JSON body carries the file as base64 (4/3 of it) and the fields; a raw body is the file
         json_body = request.headers.get("content-type", "").startswith("application/json")
         limit = config.max_voice_upload_bytes * 4 // 3 + 4096 if json_body else config.max_voice_upload_bytes
@@ -283,7 +305,7 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
         if voice is None or voice.owner != principal_of(request).key_id:
             return _error(404, "unknown_voice", f"no voice {voice_id[:40]!r}")
         if request.method == "DELETE":
-            registry.remove(voice_id)
+            await registry.remove(voice_id)
             return JSONResponse({"voice_id": voice_id, "deleted": True})
         return JSONResponse(voice.to_wire())
 

@@ -213,6 +213,9 @@ class FakeEngine:
             raise InvalidAudio("reference clip shorter than 0.5 s")
         self.registered[voice_id] = (sample_rate, text)
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        self.registered.pop(voice_id, None)
+
     def tone(self, word: str, speed: float = 1.0) -> npt.NDArray[np.float32]:
         rate = self.options.sample_rate
         n = rate * word_ms(word, speed) // 1000

@@ -333,6 +333,9 @@ class AlignedEngine:
     ) -> None:
         await self.inner.register_voice(voice_id, audio, sample_rate, text)
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        await self.inner.unregister_voice(voice_id)
+
     def note_sync_delay(self, seconds: float) -> None:
         self._sync_delays.append(seconds)
 

@@ -213,6 +213,9 @@ class EspeakEngine:
     ) -> None:
         raise InvalidRequest("the espeak engine cannot clone voices")
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        return None  # it keeps no voices
+
     # -- validation ---------------------------------------------------------------------------
     def _variant(self, request: SynthesisRequest) -> str:
         if request.ref_audio is not None:

@@ -548,6 +548,11 @@ class Qwen3Engine:
             speaker_embedding=prompt.speaker_embedding, ref_codes=prompt.ref_codes, ref_text=prompt.ref_text
         )
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        self._voices.pop(voice_id, None)
+        if self.voice_cache is not None:
+            self.voice_cache.unregister(voice_id)
+
     # -- outputs (step thread) -----------------------------------------------------------------
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
         batch = ChunkBatch()  # the step's chunks reach the event loop together

@@ -488,6 +488,9 @@ class VllmOmniEngine:
             fields["x_vector_only_mode"] = True  # no transcript: speaker embedding only
         self._cloned[voice_id] = _Voice(fields)
 
+    async def unregister_voice(self, voice_id: str) -> None:
+        self._cloned.pop(voice_id, None)
+
     # -- request -> session.config fields --------------------------------------------------------------
     def _check_language(self, language: str | None) -> None:
         if language and language not in LANGUAGES:

@@ -4,7 +4,8 @@ Each voice is one hash `{prefix}voice:{id}` (metadata JSON and the clip as FLAC)
 the set `{prefix}voices`; additions and deletions are announced on `{prefix}voices:events`. Each
 replica keeps its own copy of the voices (and the engine's prompt cache stays local, in the
 engine): it fills them from Redis at start-up, on each announcement, and on a periodic
-resynchronisation that also repairs whatever was missed while Redis was away.
+resynchronisation that also repairs whatever was missed while Redis was away. A deletion, however
+a replica hears of it, also releases the voice from that replica's engine.
 
 While the store is unreachable a registration still succeeds on the replica that took it (the
 voice is usable there at once) and is written through when the store is back; a deletion is
@@ -93,8 +94,8 @@ class SharedVoiceRegistry(VoiceRegistry):
             await self.client.hset(self._item_key(voice.voice_id), mapping=fields)
         await self.client.sadd(f"{self.prefix}voices", voice.voice_id)
 
-    def remove(self, voice_id: str) -> None:
-        super().remove(voice_id)
+    async def remove(self, voice_id: str) -> None:
+        await super().remove(voice_id)
         self._deleted.add(voice_id)
         task = asyncio.get_running_loop().create_task(self._remove_shared(voice_id))
         self._tasks.add(task)
@@ -134,7 +135,7 @@ class SharedVoiceRegistry(VoiceRegistry):
         if op == "add":
             await self.fetch(voice_id)
         elif op == "del":
-            self._voices.pop(voice_id, None)
+            await self._forget(voice_id)
 
     async def resync(self) -> int:
         """Make the local copy match Redis: deletions made here while it was away reach it, and
@@ -151,7 +152,7 @@ class SharedVoiceRegistry(VoiceRegistry):
         for voice_id in set(self._voices) - members:
             # deleted elsewhere (a tombstone says so), or not in Redis (written back from here)
             if await self.client.exists(self._tombstone(voice_id)):
-                self._voices.pop(voice_id, None)
+                await self._forget(voice_id)
                 continue
             voice = self._voices.get(voice_id)
             if voice is not None:

@@ -45,6 +45,9 @@ class Compat:
     engine_of: Callable[[], EngineInfo]  # the engine's info now (an upstream engine may learn it late)
     aliases: VoiceAliases
     auth: Authenticator
+    # the native sessions' max_open_utterances (GatewayConfig): a dialect that queues utterances
+    # opens no more than this many at once on one native session
+    max_open_utterances: int = 8
 
     @property
     def engine(self) -> EngineInfo:

@@ -14,6 +14,12 @@ with `stream_audio: false` one binary frame of the whole file in `response_forma
 text answers `session.done` with zero sentences at once (a keep-alive). `session.close` closes;
 closing the socket is the barge-in: every utterance in flight is cancelled. `voice.list` answers
 with the engine's voices. Errors: `{"type": "error", "message"}`.
+
+vLLM-Omni serves a connection's utterances in turn however many the client sends ahead, so the
+native session's limit on open utterances stays inside: at most that many are open on it, the rest
+wait here with their text and go to it in order as earlier ones finish. Past
+`MAX_QUEUED_UTTERANCES` on one connection an utterance is refused with
+`{"type": "error", "code": "too_many_utterances", "message"}` and not answered further.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from gateway.languages import normalise_language
 from gateway.messages import SAMPLE_RATES, PacketHeader
 
 CONFIG_TIMEOUT_S: Final = 10.0
+# utterances one connection may have queued (open, waiting or being sent); each holds its text and
+# the audio made before its turn, so the bound keeps one client from holding the server's memory
+MAX_QUEUED_UTTERANCES: Final = 256
 KNOWN_TASKS: Final = ("CustomVoice", "VoiceDesign", "Base")
 
 
@@ -111,6 +120,8 @@ class _Utterance:
     link: NativeLink | None  # None: an empty input.done (a keep-alive)
     utterance_id: str = ""
     text: str = ""
+    opened: bool = False  # its messages go to the native session; until then they wait in `pending`
+    pending: list[NativeMessage] = field(default_factory=list)
     stream: int | None = None
     ended: bool = False  # input.done came
     done: bool = False  # utterance.done (or its error) came
@@ -133,6 +144,7 @@ class VllmOmniSocket(DialectSocket):
         self.current: _Utterance | None = None  # taking input.text
         self._index = 0
         self._leading = ""  # blanks before an utterance's first words
+        self._refusing = False  # the utterance being sent was refused: its text is dropped
         self._configured = asyncio.Event()
         self._drain_lock = asyncio.Lock()
         self._close_requested = False  # session.close came: close once the queue is sent
@@ -178,7 +190,7 @@ class VllmOmniSocket(DialectSocket):
             if not isinstance(piece, str):
                 await self.error("`text` must be a string")
                 return
-            self._add_text(piece)
+            await self._add_text(piece)
         elif kind == "input.done":
             await self._input_done()
         elif kind == "session.close":
@@ -215,18 +227,63 @@ class VllmOmniSocket(DialectSocket):
             )
         return link
 
-    def _add_text(self, piece: str) -> None:
+    async def _add_text(self, piece: str) -> None:
         assert self.config is not None
         utt = self.current
         if utt is None:
+            if self._refusing:
+                return
             if not piece.strip():
                 self._leading += piece  # no utterance for blanks alone
                 return
             piece, self._leading = self._leading + piece, ""
+            if await self._queue_full():
+                self._refusing = True  # its later text, up to its input.done, goes with it
+                return
             utt = self.current = self._new(self._link(self.config))
+            self._open_waiting()
         utt.text += piece
-        if utt.link is not None and utt.failed is None:
-            utt.link.send({"type": "speak.append", "utterance_id": utt.utterance_id, "text": piece})
+        self._speak(utt, {"type": "speak.append", "utterance_id": utt.utterance_id, "text": piece})
+
+    async def _queue_full(self) -> bool:
+        """Whether a new utterance is past the bound; if so it is refused with a typed error."""
+        if len(self.queue) < MAX_QUEUED_UTTERANCES:
+            return False
+        await self.send_json(
+            {
+                "type": "error",
+                "code": "too_many_utterances",
+                "message": f"at most {MAX_QUEUED_UTTERANCES} utterances may be queued on one "
+                "connection; this one is dropped (send it again once earlier ones are done)",
+            }
+        )
+        return True
+
+    def _speak(self, utt: _Utterance, message: NativeMessage) -> None:
+        """A native message about `utt`: sent if it is open on its session, else kept for then."""
+        if utt.link is None or utt.failed is not None:
+            return
+        if utt.opened:
+            utt.link.send(message)
+        else:
+            utt.pending.append(message)
+
+    def _open_waiting(self) -> None:
+        """Open waiting utterances in order while their session has room (its
+        max_open_utterances): a native session refuses more than that with too_many_utterances."""
+        open_on: dict[int, int] = {}
+        for utt in self.queue:
+            if utt.link is None or utt.done:
+                continue
+            key = id(utt.link)
+            if not utt.opened:
+                if open_on.get(key, 0) >= self.compat.max_open_utterances:
+                    continue
+                utt.opened = True
+                for message in utt.pending:
+                    utt.link.send(message)
+                utt.pending.clear()
+            open_on[key] = open_on.get(key, 0) + 1
 
     def _new(self, link: NativeLink | None) -> _Utterance:
         assert self.config is not None
@@ -242,11 +299,16 @@ class VllmOmniSocket(DialectSocket):
 
     async def _input_done(self) -> None:
         utt, self.current, self._leading = self.current, None, ""
+        if self._refusing:
+            self._refusing = False
+            return
         if utt is None:  # nothing since the last one: answered at once, in its turn (a keep-alive)
+            if await self._queue_full():
+                return
             utt = self._new(None)
             utt.done = True
-        elif utt.link is not None and utt.failed is None:
-            utt.link.send({"type": "speak.end", "utterance_id": utt.utterance_id})
+        else:
+            self._speak(utt, {"type": "speak.end", "utterance_id": utt.utterance_id})
         utt.ended = True
         await self._drain()
 
@@ -259,11 +321,12 @@ class VllmOmniSocket(DialectSocket):
         if utt is not None:
             if self.queue and self.queue[-1] is utt:
                 self.queue.pop()
-            if utt.link is not None and utt.failed is None:
-                utt.link.send({"type": "speak.cancel", "utterance_id": utt.utterance_id})
+            if utt.opened:
+                self._speak(utt, {"type": "speak.cancel", "utterance_id": utt.utterance_id})
             self._forget(utt)
             if utt.encoder is not None:
                 utt.encoder.close()
+            self._open_waiting()
         await self._drain()
 
     # -- native -> client, in order ----------------------------------------------------------
@@ -282,10 +345,12 @@ class VllmOmniSocket(DialectSocket):
         elif kind in ("utterance.done", "utterance.interrupted"):
             utt.done = True
             self._forget(utt)
+            self._open_waiting()
         elif kind == "error":
             utt.failed = str(message.get("message"))
             utt.done = True
             self._forget(utt)
+            self._open_waiting()
         await self._drain()
 
     async def on_link_audio(self, link: NativeLink, header: PacketHeader, payload: bytes) -> None:

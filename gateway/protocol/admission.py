@@ -32,6 +32,8 @@ class Admission(ProtocolState):
             )
         if self.allowed_voices is not None and voice is not None and voice not in self.allowed_voices:
             raise ProtocolError("unauthorized", f"this token may not use voice {voice!r}", uid)
+        if voice is not None and self.voice_usable is not None and not self.voice_usable(voice):
+            raise ProtocolError("unknown_voice", f"unknown voice {voice!r}", uid)
         if self.utterances_opened >= self.config.max_utterances_per_session:
             raise QuotaExceeded(
                 f"at most {self.config.max_utterances_per_session} utterances per session", uid

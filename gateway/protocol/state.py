@@ -8,6 +8,7 @@ retiring an utterance to the history, the end of the session, an error message.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from engine.api import EngineInfo
 from gateway.config import GatewayConfig
@@ -31,12 +32,15 @@ class ProtocolState:
         *,
         key_id: str = "anonymous",
         allowed_voices: frozenset[str] | None = None,
+        voice_usable: Callable[[str], bool] | None = None,
         quotas: Quotas | None = None,
         now: float = 0.0,
     ) -> None:
         self.session_id = session_id
         self.key_id = key_id
         self.allowed_voices = allowed_voices  # a scoped token's voices (None = any)
+        # whether the key may speak in a voice (gateway.voices.VoiceRegistry.usable_by); None: any
+        self.voice_usable = voice_usable
         self.quotas = quotas
         self.last_message_at = now
         self.utterances_opened = 0
