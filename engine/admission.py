@@ -39,12 +39,14 @@ class LoadCurve:
     slowly (`rise`, `fall`): a batch of one size costs more when more of its streams are young
     (a step with many first chunks), and admission must hold through such waves, not on average.
     Where a smaller batch costs more than a larger one, the larger is held at the smaller's cost
-    (noise must not make a larger batch look cheaper), unless the smaller was last observed an
-    eighth of `memory` or more before the larger: then the smaller is passed over (a ramp's costly
-    first steps, never measured again once load has moved past them, must not cap the batches
-    measured since). A bucket above every one measured in the last `memory` observations is
-    forgotten: the cost there is measured again when load comes back, instead of holding
-    admission below it forever.
+    (noise must not make a larger batch look cheaper), unless the two were last observed an eighth
+    of `memory` observations or more apart: then the smaller is passed over. A ramp's costly first
+    steps, never measured again once load has moved past them, must not cap the batches measured
+    since; nor may a drain's last steps, measured once load has left the larger batches (a costly
+    step of a few rows, its cost not theirs), cap what those batches cost when they ran: admission
+    pinned below them would never measure them again. A bucket above every one measured in the
+    last `memory` observations is forgotten: the cost there is measured again when load comes
+    back, instead of holding admission below it forever.
 
     `predict(rows)` interpolates between the buckets of that curve; past the largest batch measured
     it goes on along the steeper of the last segment and the mean slope, but only out to `reach()` (a
@@ -96,13 +98,14 @@ class LoadCurve:
     def curve(self) -> list[tuple[float, float]]:
         """The buckets' (rows, cost), by rows, the cost made non-decreasing (see the class)."""
         if self._curve is None:
-            kept: list[tuple[float, float, float]] = []  # (rows, cost, last observation)
+            # (rows, cost, when the bucket whose cost this is was last observed)
+            kept: list[tuple[float, float, float]] = []
             superseded = max(1, self.memory // 8)
             for rows, cost, last in sorted(tuple(p) for p in self._points.values()):
-                while kept and kept[-1][1] > cost and last - kept[-1][2] >= superseded:
-                    kept.pop()  # a costlier smaller batch, long unobserved: passed over
+                while kept and kept[-1][1] > cost and abs(last - kept[-1][2]) >= superseded:
+                    kept.pop()  # a costlier smaller batch measured at another time: passed over
                 if kept and kept[-1][1] > cost:
-                    cost = kept[-1][1]  # held at the smaller batch's cost
+                    cost, last = kept[-1][1], kept[-1][2]  # held at the smaller batch's cost
                 kept.append((rows, cost, last))
             self._curve = [(rows, cost) for rows, cost, _ in kept]
             self._xs = [rows for rows, _, _ in kept]

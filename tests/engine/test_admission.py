@@ -49,6 +49,19 @@ def test_a_costlier_smaller_batch_long_unobserved_no_longer_caps_the_larger() ->
     assert curve.predict(450) == 60.0
 
 
+def test_a_costly_step_after_load_left_the_larger_batches_does_not_cap_them() -> None:
+    curve = LoadCurve(rise=1.0, fall=1.0, memory=80)  # passed over 10 observations apart
+    for _ in range(20):
+        curve.observe(500, 40.0)  # at load
+    for rows in range(400, 0, -20):  # a drain: the streams end, the batch shrinks
+        curve.observe(rows, 5.0 + rows / 20)
+    curve.observe(3, 300.0)  # one of its last steps, costly for a reason not its rows'
+    assert curve.predict(500) == 40.0  # the batch measured long before it is not held
+    assert curve.rows_within(56.0, 1000) >= 500
+    curve.observe(500, 70.0)  # load back, and the larger batch measured again: its own cost
+    assert curve.predict(500) == 70.0
+
+
 def test_what_the_curve_admits_follows_each_new_observation() -> None:
     curve = LoadCurve(rise=1.0, fall=1.0)
     curve.observe(100, 10.0)
