@@ -176,7 +176,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         "takes as many as it holds)",
         env="CADENCE_KV_MEMORY",
         type=_share,
-        default=_env("kv_memory", "0.25") or "0.25",
+        default=_env("kv_memory", "0.4") or "0.4",
         shown="0.25",
     )
     _option(

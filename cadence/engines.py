@@ -25,7 +25,7 @@ class EngineOptions:
     # in real time. None ("auto"): qwen3, the talker slots the KV budget holds; espeak, what its
     # worker keeps in real time alone, measured at start; null, no bound
     max_streams: int | None = None
-    kv_memory: float = 0.25  # qwen3 on a GPU: the share of its memory given to talker KV slots
+    kv_memory: float = 0.4  # qwen3 on a GPU: the share of its memory given to talker KV slots
     scheduler: tuple[str, ...] = ()  # qwen3: "FIELD=JSON" settings of engine.qwen3.scheduler.SchedulerConfig
     upstream: str | None = None  # vllm-omni: the vLLM-Omni server's base URL
     upstream_streams: int = 8  # vllm-omni: concurrent upstream generations (<= its --max-num-seqs)

@@ -108,7 +108,7 @@ def test_the_defaults_keep_their_types(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("CADENCE_")]:
         monkeypatch.delenv(name)
     args = _serve_parser().parse_args([])
-    assert (args.port, args.max_streams, args.kv_memory) == (8000, None, 0.25)
+    assert (args.port, args.max_streams, args.kv_memory) == (8000, None, 0.4)
     assert (args.upstream_streams, args.quota_sessions, args.quota_utterances) == (8, 100, 64)
     assert args.quota_chars_per_minute == 100000
     monkeypatch.setenv("CADENCE_PORT", "9100")

@@ -41,10 +41,10 @@ async def test_auto_is_what_the_espeak_worker_keeps_in_real_time_alone() -> None
 
 def test_kv_memory_is_a_share_of_the_gpu_below_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CADENCE_KV_MEMORY", raising=False)
-    assert _serve_parser().parse_args([]).kv_memory == 0.25
-    assert _serve_parser().parse_args(["--kv-memory", "0.5"]).kv_memory == 0.5
-    monkeypatch.setenv("CADENCE_KV_MEMORY", "0.4")
     assert _serve_parser().parse_args([]).kv_memory == 0.4
+    assert _serve_parser().parse_args(["--kv-memory", "0.5"]).kv_memory == 0.5
+    monkeypatch.setenv("CADENCE_KV_MEMORY", "0.3")
+    assert _serve_parser().parse_args([]).kv_memory == 0.3
     for bad in ("0", "1", "-0.2", "half"):
         with pytest.raises(SystemExit):
             _serve_parser().parse_args(["--kv-memory", bad])
