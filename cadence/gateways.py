@@ -121,6 +121,11 @@ def gateway_main(plan: GatewayPlan, index: int, share: list[str] | None, ready: 
     from gateway.server import build_server
 
     os.setpgrp()  # a terminal's Ctrl-C reaches the parent alone, which passes it on once
+    # SIGINT is blocked from the parent's fork until here: a Ctrl-C sent to the parent's group
+    # before this process left it waits, and is the parent's to pass on, so it is dropped
+    if signal.SIGINT in signal.sigpending():
+        signal.sigwait({signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _stop_with_parent()
     options = plan.options
     if share is not None:
@@ -163,7 +168,13 @@ class Supervisor:
             args=(self.plan, index, self.shares[index], ready),
             name=f"cadence-gateway-{index}",
         )
-        process.start()
+        # the child is in this process group until gateway_main moves it: SIGINT stays blocked in it
+        # until then (a mask crosses fork and exec), so a Ctrl-C meant for this parent cannot end it
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         self.processes[index], self.ready[index] = process, ready
         if self.stopping:  # a signal while it started found no process
             self._stop(process)

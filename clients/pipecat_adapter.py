@@ -86,6 +86,7 @@ class CadenceTTSService(WebsocketTTSService):
         self._open: set[str] = set()  # context ids with an utterance still taking text
         self._unfinished: dict[str, None] = {}  # turns sent to Cadence whose audio has not all come, in order
         self._receive_task: Any = None
+        self._connecting = asyncio.Lock()  # a turn's text and the receive loop's reconnect may both connect
         self.interruptions: list[dict[str, Any]] = []  # Cadence's reports of the cancelled turns
         self.pauses: list[dict[str, Any]] = []  # Cadence's reports of the paused turns
         self._words: dict[str, deque[tuple[str, int]]] = {}  # per turn: (word, start_ms) not handed over
@@ -117,7 +118,18 @@ class CadenceTTSService(WebsocketTTSService):
             self._receive_task = None
         await self._disconnect_websocket()
 
+    async def _reconnect_websocket(self, attempt_number: int) -> bool:
+        # a turn's text may have made the connection again while this loop waited to: the turn's
+        # audio comes on that connection, so the loop reads it rather than closing it and the turn
+        if self._websocket is not None and self._websocket.state is State.OPEN:
+            return True
+        return await super()._reconnect_websocket(attempt_number)
+
     async def _connect_websocket(self) -> None:
+        async with self._connecting:  # the one being made is used, not a second one beside it
+            await self._open_websocket()
+
+    async def _open_websocket(self) -> None:
         if self._websocket is not None and self._websocket.state is State.OPEN:
             return
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
