@@ -70,6 +70,11 @@ class Principal:
         voice-scoped token may make none; a key, or a token without a list, may."""
         return self.voices is None
 
+    def may_delete_voices(self) -> bool:
+        """A voice-scoped token reads and speaks its key's voices but changes none: deleting, like
+        registering, is for a key or a token without a list."""
+        return self.voices is None
+
 
 ANONYMOUS = Principal("anonymous")
 

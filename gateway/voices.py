@@ -11,10 +11,10 @@ infinite samples, silence. Stereo is mixed to mono.
 Ids are made by the server (`v_` + 16 hex digits): nothing the client sends reaches a path. Names
 are 1-100 printable characters. Voices belong to the key that made them: a key lists, deletes and
 speaks in only its own (another key's id is answered as an unknown voice), and a token limited to
-some voices registers none. The clip is kept (in memory, and as FLAC + JSON under `voices_dir` when
-configured, re-registered with the engine at start-up) until the voice is deleted, which releases
-it from the engine too; an engine that cannot clone (eSpeak) makes the POST a 400
-`invalid_request` saying so, while the checked clip is still stored (`"ready": false`).
+some voices registers and deletes none. The clip is kept (in memory, and as FLAC + JSON under
+`voices_dir` when configured, re-registered with the engine at start-up) until the voice is
+deleted, which releases it from the engine too; an engine that cannot clone (eSpeak) makes the
+POST a 400 `invalid_request` saying so, while the checked clip is still stored (`"ready": false`).
 """
 
 from __future__ import annotations
@@ -301,9 +301,13 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
 
     async def item(request: Request) -> Response:
         voice_id = request.path_params["voice_id"]
+        principal = principal_of(request)
         voice = registry.get(voice_id) if VOICE_ID.fullmatch(voice_id) else None
-        if voice is None or voice.owner != principal_of(request).key_id:
+        # another key's voice is unknown before anything else, so no refusal tells it exists
+        if voice is None or voice.owner != principal.key_id:
             return _error(404, "unknown_voice", f"no voice {voice_id[:40]!r}")
+        if request.method == "DELETE" and not principal.may_delete_voices():
+            return _error(403, "unauthorized", "a token limited to some voices may not delete voices")
         if request.method == "DELETE":
             await registry.remove(voice_id)
             return JSONResponse({"voice_id": voice_id, "deleted": True})

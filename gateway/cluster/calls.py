@@ -7,8 +7,9 @@ Directory: `{prefix}call:{callSid}` -> {"state": "live", "replica": owner}, writ
 Each start is also announced on `{prefix}calls:up`, so an agent that came first stops waiting.
 
 Relay: `WS /v1/twilio/control/{callSid}` landing on a replica that does not hold the call opens a
-link to the owner over pub/sub, one channel per replica (`{prefix}calls:{replica}`): `attach`, the
-agent's frames, `detach` one way; `attached` / `refused`, the call's events, `close` the other.
+link to the owner over pub/sub, one channel per replica (`{prefix}calls:{replica}`): `attach` (with
+the agent's key id and voice list, which the call speaks for), the agent's frames, `detach` one
+way; `attached` / `refused`, the call's events, `close` the other.
 Each side publishes from one task at a time, so both directions keep their order. Both ends ping
 every LINK_PING_S; a link silent for LINK_DEAD_S is dead (the agent gets `error` `call_lost` and
 `call.ended`, or the owner detaches the agent). The owner runs the agent exactly as a local one
@@ -35,10 +36,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 from starlette.websockets import WebSocket, WebSocketState
 
+from gateway.auth import Principal
 from gateway.cluster.pubsub import listen_forever
 from gateway.cluster.store import Store
 from gateway.messages import encode
 from gateway.twilio import CLOSE_POLICY, AgentFrame, TwilioGateway, next_agent_frame
+from gateway.twilio.endpoints import principal_of
 
 log = logging.getLogger("cadence.calls")
 
@@ -257,7 +260,8 @@ class CallRouter:
         link_id = str(message.get("link"))
         if message.get("op") == "attach":
             link = self._links[link_id] = _Link(str(message.get("relay")))
-            self._spawn(self._serve_relayed(str(message.get("call")), link_id, link))
+            principal = principal_from_link(message)
+            self._spawn(self._serve_relayed(str(message.get("call")), link_id, link, principal))
             return
         known = self._links.get(link_id)
         if known is not None:
@@ -272,7 +276,7 @@ class CallRouter:
             await asyncio.sleep(LINK_PING_S)
 
     # -- the owner's end of a link ------------------------------------------------------------
-    async def _serve_relayed(self, call_sid: str, link_id: str, link: _Link) -> None:
+    async def _serve_relayed(self, call_sid: str, link_id: str, link: _Link, principal: Principal) -> None:
         """An agent attached through another replica: served as a local one would be."""
         pinger: asyncio.Task[None] | None = None
         try:
@@ -282,7 +286,8 @@ class CallRouter:
                 await self.send(link.peer, {"op": "refused", "link": link_id, "reason": reason})
                 return
             sink = _LinkSink(self, link.peer, link_id)
-            call.attach_agent(sink)  # before any await: a second agent is refused from here on
+            # before any await: a second agent is refused from here on
+            self.twilio.attach(call, sink, principal)
             await self.send(link.peer, {"op": "attached", "link": link_id})
             pinger = self._spawn(self._ping(link_id, link))
             await self.twilio.run_agent(call, sink, lambda: self._relayed_frame(link))
@@ -399,7 +404,7 @@ class CallRouter:
             with contextlib.suppress(Exception):
                 await websocket.close(CLOSE_POLICY, "this call already has an agent")
             return
-        call.attach_agent(websocket)
+        self.twilio.attach(call, websocket, principal_of(websocket))
         await self.twilio.run_agent(call, websocket, frames.get)
 
     async def _relay(
@@ -409,9 +414,8 @@ class CallRouter:
         link = self._links[link_id] = _Link(owner)
         tasks: list[asyncio.Task[Any]] = []
         try:
-            await self.send(
-                owner, {"op": "attach", "link": link_id, "call": call_sid, "relay": self.replica_id}
-            )
+            attach = {"op": "attach", "link": link_id, "call": call_sid, "relay": self.replica_id}
+            await self.send(owner, {**attach, **principal_on_link(principal_of(websocket))})
             answer = await self._attach_answer(link)
             self.outcomes.labels(
                 "lost"
@@ -490,6 +494,24 @@ class CallRouter:
                 await websocket.send_text(str(message.get("text", "")))
             elif op == "close":
                 return True
+
+
+def principal_on_link(principal: Principal) -> dict[str, Any]:
+    """The agent's credentials as the relay's `attach` carries them: the owner's call speaks for
+    this key, within this voice list, as it would for an agent connected to it directly."""
+    voices = sorted(principal.voices) if principal.voices is not None else None
+    return {"key": principal.key_id, "voices": voices, "via_token": principal.via_token}
+
+
+def principal_from_link(message: dict[str, Any]) -> Principal:
+    """The agent's credentials from `attach`; a link without a key id speaks for no registered
+    voice (an id no key has)."""
+    voices = message.get("voices")
+    return Principal(
+        str(message.get("key") or ""),
+        frozenset(str(v) for v in voices) if isinstance(voices, list) else None,
+        via_token=bool(message.get("via_token")),
+    )
 
 
 async def _send(websocket: WebSocket, message: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from typing import Any, Literal, Protocol
 from starlette.websockets import WebSocket
 
 from engine.api import Engine
+from gateway.auth import Principal
 from gateway.config import GatewayConfig
 from gateway.messages import ProtocolError, encode
 from gateway.metrics import GatewayMetrics
@@ -130,11 +132,24 @@ class CallState:
         if self.agent is not None:
             self._to_agent.put_nowait(encode(message))
 
-    def attach_agent(self, sink: AgentSink) -> None:
+    def attach_agent(
+        self, sink: AgentSink, principal: Principal, voice_usable: Callable[[str, str], bool]
+    ) -> None:
+        """`principal`: the agent's credentials; `voice_usable(key_id, voice)`: whether a key may
+        speak in a voice (gateway.voices.VoiceRegistry.usable_by)."""
         self.agent = sink
+        self._speak_for(principal, voice_usable)
         self._to_agent = asyncio.Queue()
         if self.stream_sid is not None:
             self.to_agent(self._call_started())
+
+    def _speak_for(self, principal: Principal, voice_usable: Callable[[str, str], bool]) -> None:
+        """The agent sends the text, so its key owns what the call says: utterances it opens pass
+        its token's voice list and speak only that key's registered voices, whoever wrote the
+        stream's `voice` parameter, as a `/v1/stream` session of that key would."""
+        self.protocol.key_id = principal.key_id
+        self.protocol.allowed_voices = principal.voices
+        self.protocol.voice_usable = functools.partial(voice_usable, principal.key_id)
 
     def detach_agent(self) -> None:
         self.agent = None

@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.api import Engine
+from gateway.auth import ANONYMOUS, Principal
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.twilio.call import Call
@@ -59,6 +60,9 @@ class TwilioGateway:
         self.metrics = metrics or GatewayMetrics()
         self.calls: dict[str, Call] = {}
         self.router: CallRouter | None = None
+        # whether a key may speak in a voice (gateway.voices.VoiceRegistry.usable_by; the app
+        # sets the gateway's registry): a call speaks only its agent's key's registered voices
+        self.voice_usable: Callable[[str, str], bool] = lambda key_id, voice: True
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -146,7 +150,7 @@ class TwilioGateway:
         if call.agent is not None:
             await websocket.close(CLOSE_POLICY, "this call already has an agent")
             return
-        call.attach_agent(websocket)
+        self.attach(call, websocket, principal_of(websocket))
         try:
             await self.run_agent(call, websocket, lambda: next_agent_frame(websocket))
         finally:
@@ -154,10 +158,15 @@ class TwilioGateway:
                 with contextlib.suppress(Exception):
                     await websocket.close()
 
+    def attach(self, call: Call, sink: AgentSink, principal: Principal) -> None:
+        """Make `sink` the call's agent, speaking for `principal` (the control channel's
+        credentials, wherever the channel landed)."""
+        call.attach_agent(sink, principal, self.voice_usable)
+
     async def run_agent(
         self, call: Call, sink: AgentSink, next_frame: Callable[[], Awaitable[AgentFrame]]
     ) -> None:
-        """Serve an agent already attached to `call` (`call.attach_agent(sink)`): its frames go to
+        """Serve an agent already attached to `call` (`attach`): its frames go to
         the call, the call's events to `sink`, until either side is done."""
         loop = asyncio.get_running_loop()
         writer = loop.create_task(call.write_agent(sink))
@@ -186,6 +195,13 @@ class TwilioGateway:
     async def close(self) -> None:
         for call in list(self.calls.values()):
             call.end("server shutting down")
+
+
+def principal_of(websocket: WebSocket) -> Principal:
+    """Who the control channel authenticated as (gateway.auth.AuthMiddleware); without keys
+    configured, the anonymous principal."""
+    principal = websocket.scope.get("state", {}).get("principal", ANONYMOUS)
+    return principal if isinstance(principal, Principal) else ANONYMOUS
 
 
 async def next_agent_frame(websocket: WebSocket) -> AgentFrame:

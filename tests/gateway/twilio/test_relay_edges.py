@@ -114,6 +114,7 @@ async def test_a_store_away_past_the_link_deadline_ends_the_relay_as_a_lost_owne
     sent: list[dict[str, Any]] = []
     closed: list[int] = []
     websocket = SimpleNamespace(
+        scope={},  # no credentials: the relay attaches the agent as anonymous
         send_text=lambda text: _append(sent, json.loads(text)),
         close=lambda code=1000, reason="": _append(closed, code),
     )
