@@ -13,7 +13,10 @@ with `stream_audio: false` one binary frame of the whole file in `response_forma
 (with `timestamp_info` for `timestamp_type: "word"`), then `session.done`. An `input.done` with no
 text answers `session.done` with zero sentences at once (a keep-alive). `session.close` closes;
 closing the socket is the barge-in: every utterance in flight is cancelled. `voice.list` answers
-with the engine's voices. Errors: `{"type": "error", "message"}`.
+with the engine's voices. Errors: `{"type": "error", "message"}`. A native error that refuses one
+message and leaves its utterance going (`text_too_long` on a later `input.text`; gateway.errors'
+MESSAGE_REFUSED_CODES) is one such error, with its `code`, in that utterance's turn, and the
+utterance goes on; one that refuses the utterance's opening, or an engine failure, fails it.
 
 vLLM-Omni serves a connection's utterances in turn however many the client sends ahead, so the
 native session's limit on open utterances stays inside: at most that many are open on it, the rest
@@ -36,6 +39,7 @@ from starlette.websockets import WebSocket
 
 from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
 from gateway.compat.encoding import CONTAINERS, Container, EncodingError, StreamEncoder, check_format
+from gateway.errors import MESSAGE_REFUSED_CODES
 from gateway.languages import normalise_language
 from gateway.messages import SAMPLE_RATES, PacketHeader
 
@@ -120,8 +124,13 @@ class _Utterance:
     link: NativeLink | None  # None: an empty input.done (a keep-alive)
     utterance_id: str = ""
     text: str = ""
-    opened: bool = False  # its messages go to the native session; until then they wait in `pending`
+    # its opening speak.append went to the native session; the messages after it wait in `pending`
+    # until `admitted` (utterance.started), so that an error before then can only be the refusal of
+    # the opening, and nothing of a refused utterance opens a native one the queue does not count
+    opened: bool = False
+    admitted: bool = False
     pending: list[NativeMessage] = field(default_factory=list)
+    refusals: list[dict[str, Any]] = field(default_factory=list)  # errors to send in its turn
     stream: int | None = None
     ended: bool = False  # input.done came
     done: bool = False  # utterance.done (or its error) came
@@ -241,9 +250,28 @@ class VllmOmniSocket(DialectSocket):
                 self._refusing = True  # its later text, up to its input.done, goes with it
                 return
             utt = self.current = self._new(self._link(self.config))
-            self._open_waiting()
+        elif utt.done:  # its native utterance has ended: nothing more reaches it
+            if utt.failed is None and piece.strip():
+                await self._refuse_closed(utt)
+            return
         utt.text += piece
         self._speak(utt, {"type": "speak.append", "utterance_id": utt.utterance_id, "text": piece})
+        if not utt.opened:
+            self._open_waiting()
+
+    async def _refuse_closed(self, utt: _Utterance) -> None:
+        """Text for an utterance whose native one has ended (its text stayed open past the
+        session's text timeout): the session would refuse it with utterance_closed, and the
+        client hears so in the utterance's turn."""
+        utt.refusals.append(
+            {
+                "type": "error",
+                "code": "utterance_closed",
+                "message": f"utterance {utt.index} has ended (its text was left open too long); "
+                "this text is not spoken",
+            }
+        )
+        await self._drain()
 
     async def _queue_full(self) -> bool:
         """Whether a new utterance is past the bound; if so it is refused with a typed error."""
@@ -260,13 +288,27 @@ class VllmOmniSocket(DialectSocket):
         return True
 
     def _speak(self, utt: _Utterance, message: NativeMessage) -> None:
-        """A native message about `utt`: sent if it is open on its session, else kept for then."""
+        """A native message about `utt`: sent if its session has admitted it, else kept for then."""
         if utt.link is None or utt.failed is not None:
             return
-        if utt.opened:
+        if utt.admitted:
             utt.link.send(message)
         else:
             utt.pending.append(message)
+
+    def _admit(self, utt: _Utterance) -> None:
+        """utterance.started: the messages kept behind the opening go now, in order."""
+        utt.admitted = True
+        assert utt.link is not None
+        for message in utt.pending:
+            utt.link.send(message)
+        utt.pending.clear()
+
+    def _fail(self, utt: _Utterance, reason: str) -> None:
+        """The native utterance has ended without its audio (or never opened)."""
+        utt.failed = reason
+        utt.done = True
+        utt.pending.clear()
 
     def _open_waiting(self) -> None:
         """Open waiting utterances in order while their session has room (its
@@ -280,9 +322,7 @@ class VllmOmniSocket(DialectSocket):
                 if open_on.get(key, 0) >= self.compat.max_open_utterances:
                     continue
                 utt.opened = True
-                for message in utt.pending:
-                    utt.link.send(message)
-                utt.pending.clear()
+                utt.link.send(utt.pending.pop(0))  # its first speak.append opens it
             open_on[key] = open_on.get(key, 0) + 1
 
     def _new(self, link: NativeLink | None) -> _Utterance:
@@ -307,7 +347,7 @@ class VllmOmniSocket(DialectSocket):
                 return
             utt = self._new(None)
             utt.done = True
-        else:
+        elif not utt.done:  # a native utterance that has ended (its text timeout) takes no speak.end
             self._speak(utt, {"type": "speak.end", "utterance_id": utt.utterance_id})
         utt.ended = True
         await self._drain()
@@ -321,8 +361,8 @@ class VllmOmniSocket(DialectSocket):
         if utt is not None:
             if self.queue and self.queue[-1] is utt:
                 self.queue.pop()
-            if utt.opened:
-                self._speak(utt, {"type": "speak.cancel", "utterance_id": utt.utterance_id})
+            if utt.opened and utt.link is not None:  # admitted or not: the cancel follows its opening
+                utt.link.send({"type": "speak.cancel", "utterance_id": utt.utterance_id})
             self._forget(utt)
             if utt.encoder is not None:
                 utt.encoder.close()
@@ -340,17 +380,45 @@ class VllmOmniSocket(DialectSocket):
         if kind == "utterance.started":
             utt.stream = int(message["stream"])
             self.by_stream[(id(link), utt.stream)] = utt
+            self._admit(utt)
         elif kind == "words":
             utt.words += message.get("words") or []
         elif kind in ("utterance.done", "utterance.interrupted"):
             utt.done = True
-            self._forget(utt)
             self._open_waiting()
         elif kind == "error":
-            utt.failed = str(message.get("message"))
-            utt.done = True
-            self._forget(utt)
-            self._open_waiting()
+            self._native_error(utt, message)
+        await self._drain()
+
+    def _native_error(self, utt: _Utterance, message: NativeMessage) -> None:
+        """An error about `utt` ends it when it refuses its opening (nothing after the opening is
+        sent before utterance.started) or when the engine failed it; the codes that refuse one
+        later message leave it going, and the client hears them in its turn, as vLLM-Omni answers
+        a message it refuses: `{"type": "error", "message"}` (here with the native `code`)."""
+        if utt.failed is not None:
+            return  # its failure is what the client hears
+        code = str(message.get("code"))
+        if utt.done or (utt.admitted and code in MESSAGE_REFUSED_CODES):
+            utt.refusals.append({"type": "error", "code": code, "message": str(message.get("message"))})
+            return
+        self._fail(utt, str(message.get("message")))
+        self._open_waiting()
+
+    async def on_link_closed(self, link: NativeLink) -> None:
+        """A native session that ends under this connection (a frame over its size limit, its
+        idle timeout) ends what it held: those utterances fail; the ones waiting for it wait for a
+        new session instead."""
+        if self._closing:
+            return  # the client has gone: nothing more is opened
+        reason = f"the session closed ({link.close_code} {link.close_reason})".replace(" )", ")")
+        for utt in self.queue:
+            if utt.link is not link or utt.done:
+                continue
+            if utt.opened:
+                self._fail(utt, reason)
+            else:
+                utt.link = self._link(utt.config)
+        self._open_waiting()
         await self._drain()
 
     async def on_link_audio(self, link: NativeLink, header: PacketHeader, payload: bytes) -> None:
@@ -374,6 +442,8 @@ class VllmOmniSocket(DialectSocket):
     async def _drain_locked(self) -> None:
         while self.queue:
             utt = self.queue[0]
+            while utt.refusals:
+                await self.send_json(utt.refusals.pop(0))
             if utt.link is not None and (utt.held or (utt.done and not utt.started)):
                 await self._start(utt)
             while utt.held:
@@ -381,6 +451,7 @@ class VllmOmniSocket(DialectSocket):
             if not (utt.done and utt.ended):
                 return
             self.queue.popleft()
+            self._forget(utt)
             await self._finish(utt)
         if self._close_requested:
             self.close(1000, "session.close")
