@@ -25,10 +25,6 @@ from tests.gateway.cluster.harness import ROOT, Cluster, free_port, wait_until
 from tests.integration.wsclient import Client
 
 pytestmark = pytest.mark.timeout(90)
-needs_redis = pytest.mark.skipif(
-    subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0,
-    reason="needs redis-server (scripts/test installs it)",
-)
 LONG_TEXT = (
     "Two gateway processes share one port, and either may be asked to stop a voice it does not hold. " * 3
 )

@@ -12,34 +12,17 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import websockets
 
-from tests.gateway.cluster.harness import ROOT, Cluster, free_port, wait_until
+from tests.gateway.cluster.harness import ROOT, free_port, needs_redis, wait_until
 from tests.integration.wsclient import Client
 
-pytestmark = [
-    pytest.mark.timeout(90),
-    pytest.mark.skipif(
-        subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0,
-        reason="needs redis-server (scripts/test installs it)",
-    ),
-]
+pytestmark = [pytest.mark.timeout(90), needs_redis]
 LONG_TEXT = "A gateway that holds a session while it drains is still running when it is killed. " * 4
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    redis = Cluster(tmp_path_factory.mktemp("supervisor"))
-    redis.start_redis(persistent=False)
-    try:
-        yield redis.redis_url
-    finally:
-        redis.stop()
 
 
 class Served:

@@ -11,30 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.gateway.cluster.harness import ROOT, Cluster, free_port
+from tests.gateway.cluster.harness import ROOT, free_port, needs_redis
 
-pytestmark = [
-    pytest.mark.timeout(90),
-    pytest.mark.skipif(
-        subprocess.run(["which", "redis-server"], capture_output=True).returncode != 0,
-        reason="needs redis-server (scripts/test installs it)",
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    redis = Cluster(tmp_path_factory.mktemp("supervisor-races"))
-    redis.start_redis(persistent=False)
-    try:
-        yield redis.redis_url
-    finally:
-        redis.stop()
+pytestmark = [pytest.mark.timeout(90), needs_redis]
 
 
 def gateways_in_group(parent: int) -> list[int]:

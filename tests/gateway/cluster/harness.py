@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
@@ -233,6 +234,11 @@ class Cluster:
         if self.redis is not None:
             self.redis.kill()  # also a paused one
             self.redis.wait(5)
+
+
+needs_redis = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="needs redis-server (scripts/test installs it)"
+)
 
 
 def tools_available() -> bool:

@@ -8,61 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import pytest
 import websockets
 
 from gateway.compat.vllm_omni import MAX_QUEUED_UTTERANCES
 from gateway.config import GatewayConfig
-from tests.fakes import FakeEngine, word_ms
-from tests.integration.conftest import RunningGateway, run_gateway
+from tests.fakes import FakeEngine
+from tests.gateway.compat.vllm_omni_wire import CONFIG, pcm_bytes, per_utterance, until_sessions_done, url
+from tests.integration.conftest import run_gateway
 
 pytestmark = pytest.mark.timeout(60)
-
-GAP_MS = 40
-CONFIG = {"type": "session.config", "voice": "alice", "response_format": "pcm", "stream_audio": True}
-
-
-def duration_ms(text: str) -> int:
-    return sum(word_ms(w) + GAP_MS for w in text.split())
-
-
-def url(g: RunningGateway) -> str:
-    return f"ws://127.0.0.1:{g.port}/v1/audio/speech/stream"
 
 
 async def send_utterance(ws: websockets.ClientConnection, text: str) -> None:
     await ws.send(json.dumps({"type": "input.text", "text": text}))
     await ws.send(json.dumps({"type": "input.done"}))
-
-
-async def until_sessions_done(ws: websockets.ClientConnection, count: int) -> list[dict[str, Any] | int]:
-    """JSON messages as dicts, binary frames as their length, up to the count-th session.done."""
-    out: list[dict[str, Any] | int] = []
-    while count:
-        frame = await asyncio.wait_for(ws.recv(), 20)
-        if isinstance(frame, bytes):
-            out.append(len(frame))
-            continue
-        message = json.loads(frame)
-        out.append(message)
-        count -= message["type"] == "session.done"
-    return out
-
-
-def per_utterance(got: list[dict[str, Any] | int]) -> list[tuple[int, int, bool]]:
-    """(utterance_index, PCM bytes between its audio.start and audio.done, audio.done's error)."""
-    out, index, pcm = [], -1, 0
-    for item in got:
-        if isinstance(item, int):
-            pcm += item
-        elif item["type"] == "audio.start":
-            index, pcm = item["utterance_index"], 0
-        elif item["type"] == "audio.done":
-            assert item["utterance_index"] == index and item["total_bytes"] == pcm
-            out.append((index, pcm, item["error"]))
-    return out
 
 
 async def test_more_utterances_than_a_session_keeps_open_are_spoken_in_order() -> None:
@@ -75,7 +36,7 @@ async def test_more_utterances_than_a_session_keeps_open_are_spoken_in_order() -
                 await send_utterance(ws, text)
             got = await until_sessions_done(ws, len(texts))
     assert [m for m in got if isinstance(m, dict) and m["type"] == "error"] == []
-    expected = [(i, duration_ms(t) * 24 * 2, False) for i, t in enumerate(texts)]
+    expected = [(i, pcm_bytes(t), False) for i, t in enumerate(texts)]
     assert per_utterance(got) == expected
     done = [m for m in got if isinstance(m, dict) and m["type"] == "session.done"]
     assert done == [{"type": "session.done", "utterance_index": i, "total_sentences": 1} for i in range(12)]

@@ -18,22 +18,11 @@ import websockets
 from clients.client import MESSAGE_REFUSED_CODES as CLIENT_REFUSED_CODES
 from gateway.config import GatewayConfig
 from gateway.errors import MESSAGE_REFUSED_CODES
-from tests.fakes import FakeEngine, word_ms
-from tests.integration.conftest import RunningGateway, run_gateway
+from tests.fakes import FakeEngine
+from tests.gateway.compat.vllm_omni_wire import CONFIG, pcm_bytes, per_utterance, until_sessions_done, url
+from tests.integration.conftest import run_gateway
 
 pytestmark = pytest.mark.timeout(60)
-
-GAP_MS = 40
-BYTES_PER_MS = 24 * 2  # 24 kHz s16le
-CONFIG = {"type": "session.config", "voice": "alice", "response_format": "pcm", "stream_audio": True}
-
-
-def pcm_bytes(text: str) -> int:
-    return sum(word_ms(w) + GAP_MS for w in text.split()) * BYTES_PER_MS
-
-
-def url(g: RunningGateway) -> str:
-    return f"ws://127.0.0.1:{g.port}/v1/audio/speech/stream"
 
 
 async def send_text(ws: websockets.ClientConnection, *pieces: str, done: bool = True) -> None:
@@ -41,34 +30,6 @@ async def send_text(ws: websockets.ClientConnection, *pieces: str, done: bool = 
         await ws.send(json.dumps({"type": "input.text", "text": piece}))
     if done:
         await ws.send(json.dumps({"type": "input.done"}))
-
-
-async def until_sessions_done(ws: websockets.ClientConnection, count: int) -> list[dict[str, Any] | int]:
-    """JSON messages as dicts, binary frames as their length, up to the count-th session.done."""
-    out: list[dict[str, Any] | int] = []
-    while count:
-        frame = await asyncio.wait_for(ws.recv(), 8)
-        if isinstance(frame, bytes):
-            out.append(len(frame))
-            continue
-        message = json.loads(frame)
-        out.append(message)
-        count -= message["type"] == "session.done"
-    return out
-
-
-def per_utterance(got: list[dict[str, Any] | int]) -> list[tuple[int, int, bool]]:
-    """(utterance_index, PCM bytes between its audio.start and audio.done, audio.done's error)."""
-    out, index, pcm = [], -1, 0
-    for item in got:
-        if isinstance(item, int):
-            pcm += item
-        elif item["type"] == "audio.start":
-            index, pcm = item["utterance_index"], 0
-        elif item["type"] == "audio.done":
-            assert item["utterance_index"] == index and item["total_bytes"] == pcm
-            out.append((index, pcm, item["error"]))
-    return out
 
 
 def errors(got: list[dict[str, Any] | int]) -> list[dict[str, Any]]:
@@ -90,7 +51,7 @@ async def test_a_refused_append_is_reported_and_its_utterance_goes_on() -> None:
             await ws.send(json.dumps(CONFIG))
             await send_text(ws, first, " " + "x" * 30)
             await send_text(ws, second)
-            got = await until_sessions_done(ws, 2)
+            got = await until_sessions_done(ws, 2, 8)
     assert per_utterance(got) == [(0, pcm_bytes(first), False), (1, pcm_bytes(second), False)]
     (error,) = errors(got)
     assert error["code"] == "text_too_long" and "40" in error["message"]
@@ -111,7 +72,7 @@ async def test_text_after_the_native_text_timeout_is_reported_not_dropped() -> N
             await send_text(ws, first, done=False)
             await asyncio.sleep(2.5)  # the session's tick runs about once a second
             await send_text(ws, " more words.")
-            got = await until_sessions_done(ws, 1)
+            got = await until_sessions_done(ws, 1, 8)
     assert per_utterance(got) == [(0, pcm_bytes(first), False)]
     (error,) = errors(got)
     assert error["code"] == "utterance_closed"
@@ -129,7 +90,7 @@ async def test_a_refused_opening_fails_its_utterance_and_keeps_its_later_text_of
             await send_text(ws, first)
             await send_text(ws, "y" * 50, " short words.")
             await send_text(ws, third)
-            got = await until_sessions_done(ws, 3)
+            got = await until_sessions_done(ws, 3, 8)
     assert per_utterance(got) == [
         (0, pcm_bytes(first), False),
         (1, 0, True),
@@ -154,7 +115,7 @@ async def test_a_native_session_that_ends_fails_what_it_held_and_the_queue_goes_
             await ws.send(json.dumps(CONFIG))
             await send_text(ws, big)
             await send_text(ws, second)
-            got = await until_sessions_done(ws, 2)
+            got = await until_sessions_done(ws, 2, 8)
             await ws.send(json.dumps({"type": "voice.list"}))
             assert json.loads(await asyncio.wait_for(ws.recv(), 5))["type"] == "voice.list"
     assert per_utterance(got) == [(0, 0, True), (1, pcm_bytes(second), False)]
