@@ -290,6 +290,7 @@ def create_app(
         cluster = Cluster(engine, config, twilio)
     gateway = Gateway(engine, config, auth, cluster=cluster, webhooks=webhooks, metrics=metrics)
     twilio.voice_usable = gateway.voices.usable_by  # a call speaks only its agent's key's voices
+    twilio.auth = gateway.auth  # a media stream's `token` parameter is checked as any credential
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

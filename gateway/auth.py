@@ -15,7 +15,8 @@ Where: `Authorization: Bearer <key or token>` on REST and WebSocket; `?token=` o
 (a key in a URL ends up in logs). For the compatible dialects (gateway.compat) the same keys and
 tokens also come as their vendors send them: `Authorization: Api-Key <key>` (Baseten),
 `xi-api-key` (ElevenLabs), `X-API-Key` (Cartesia), and on WebSocket `?api_key=` / `?access_token=`
-(Cartesia); an ElevenLabs socket without any may authenticate in its first message instead. Browser WebSockets (an `Origin` header) must come from an allowed
+(Cartesia); an ElevenLabs socket without any may authenticate in its first message instead, and
+Twilio's media stream (`/v1/twilio`) in its `start` message's `token` parameter. Browser WebSockets (an `Origin` header) must come from an allowed
 origin: the configured list, or the gateway's own origin (the demo page). With no keys configured
 everything is open to an anonymous principal, and the server binds loopback only (gateway.server).
 """
@@ -287,7 +288,20 @@ PUBLIC_PREFIXES = ("/web/",)
 # WebSockets whose dialect may send its credentials in its first message (ElevenLabs): without a
 # credential they are let through marked `auth_deferred`, and the dialect authenticates
 DEFERRED_PREFIXES = ("/v1/text-to-speech/",)
+# Twilio's media stream: Twilio sends no header on the upgrade and drops the `<Stream>` url's query
+# string, so its credential comes in `start.customParameters` (gateway.twilio.endpoints)
+DEFERRED_PATHS = frozenset({"/v1/twilio"})
 CLOSE_POLICY = 1008
+
+
+def _deferred(path: str) -> bool:
+    return path in DEFERRED_PATHS or path.startswith(DEFERRED_PREFIXES)
+
+
+def auth_deferred(scope: Scope) -> bool:
+    """The middleware let this WebSocket in without credentials, and none has been accepted since."""
+    state = scope.get("state") or {}
+    return bool(state.get("auth_deferred")) and "principal" not in state
 
 
 def _unauthorized(message: str) -> JSONResponse:
@@ -322,7 +336,7 @@ class AuthMiddleware:
             if websocket:
                 if not origin_allowed(headers.get("origin"), headers.get("host"), self.auth.allowed_origins):
                     raise AuthError(f"origin {headers.get('origin', '')[:100]!r} is not allowed")
-                if credential is None and self.auth.enabled and path.startswith(DEFERRED_PREFIXES):
+                if credential is None and self.auth.enabled and _deferred(path):
                     scope.setdefault("state", {})["auth_deferred"] = True
                     await self.app(scope, receive, send)
                     return

@@ -1,10 +1,13 @@
 """Twilio calls across replicas (`cadence serve --redis URL`): the call directory, and the relay of
 an agent's control channel to the replica that holds the call's media stream.
 
-Directory: `{prefix}call:{callSid}` -> {"state": "live", "replica": owner}, written when Twilio's
-`start` arrives, for CALL_TTL_S and refreshed every CALL_REFRESH_S while the call lives; at its end
-{"state": "ended", "replica", "reason"} for ENDED_TTL_S (a late agent gets `call.ended` at once).
-Each start is also announced on `{prefix}calls:up`, so an agent that came first stops waiting.
+Directory: `{prefix}call:{callSid}` -> {"state": "live", "replica": owner, "key": key id}, written
+when Twilio's `start` arrives, for CALL_TTL_S and refreshed every CALL_REFRESH_S while the call
+lives; at its end {"state": "ended", "replica", "reason", "key"} for ENDED_TTL_S (a late agent gets
+`call.ended` at once). Each start is also announced on `{prefix}calls:up`, so an agent that came
+first stops waiting. `key` is the key the call's media stream authenticated with: a control channel
+of another key reads the entry as absent (the answer for a callSid that does not exist), on every
+replica, and the owner checks the relayed agent's key again.
 
 Relay: `WS /v1/twilio/control/{callSid}` landing on a replica that does not hold the call opens a
 link to the owner over pub/sub, one channel per replica (`{prefix}calls:{replica}`): `attach` (with
@@ -104,11 +107,11 @@ class CallRouter:
         self.wait_s = wait_s if wait_s is not None else float(os.environ.get(WAIT_ENV, CALL_WAIT_S))
         self.channel = self.channel_of(replica_id)
         self.up_channel = f"{prefix}calls:up"
-        self.live_value = json.dumps({"state": "live", "replica": replica_id})
-        self._owned: set[str] = set()
+        self._owned: dict[str, str] = {}  # the live calls held here: callSid -> directory entry
         self._links: dict[str, _Link] = {}
         self._waiters: dict[str, set[asyncio.Event]] = {}
-        self._writes: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()  # directory writes, in order
+        # directory writes, in order: (kind, callSid, the live entry, the end's reason)
+        self._writes: asyncio.Queue[tuple[str, str, str, str]] = asyncio.Queue()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self.outcomes = Counter(
@@ -179,15 +182,24 @@ class CallRouter:
                         await asyncio.wait_for(self.store.wait_up(), remaining)
 
     # -- the directory ------------------------------------------------------------------------
-    def call_started(self, call_sid: str) -> None:
-        self._owned.add(call_sid)
+    def live_value(self, owner: str) -> str:
+        return json.dumps({"state": "live", "replica": self.replica_id, "key": owner})
+
+    def call_started(self, call_sid: str, owner: str) -> None:
+        self._owned[call_sid] = live = self.live_value(owner)
         self._wake(call_sid)
-        self._writes.put_nowait(("live", call_sid, ""))
+        self._writes.put_nowait(("live", call_sid, live, ""))
 
     def call_ended(self, call_sid: str, reason: str) -> None:
-        if call_sid in self._owned:
-            self._owned.discard(call_sid)
-            self._writes.put_nowait(("ended", call_sid, reason))
+        live = self._owned.pop(call_sid, None)
+        if live is not None:
+            self._writes.put_nowait(("ended", call_sid, live, reason))
+
+    async def lookup_for(self, call_sid: str, key_id: str) -> dict[str, Any] | None:
+        """The directory entry of `call_sid` as key `key_id` may see it: another key's call is
+        absent, exactly as a callSid that does not exist."""
+        entry = await self.lookup(call_sid)
+        return entry if entry is not None and entry.get("key") == key_id else None
 
     async def lookup(self, call_sid: str) -> dict[str, Any] | None:
         raw = await self.redis.get(self.key(call_sid))
@@ -203,30 +215,30 @@ class CallRouter:
         """The store is back: the live calls held here are written again (those that ended
         meanwhile expire with their entry's time to live)."""
         if self._owned:
-            self._writes.put_nowait(("refresh", "", ""))
+            self._writes.put_nowait(("refresh", "", "", ""))
 
     async def _write_loop(self) -> None:
         while True:
-            kind, call_sid, reason = await self._writes.get()
+            kind, call_sid, live, reason = await self._writes.get()
             try:
                 if not self.store.up:
                     log.debug(
                         "call directory write (%s %s) skipped: the store is unreachable", kind, call_sid
                     )
                 elif kind == "live":
-                    await self.redis.set(self.key(call_sid), self.live_value, ex=CALL_TTL_S)
+                    await self.redis.set(self.key(call_sid), live, ex=CALL_TTL_S)
                     await self.redis.publish(
                         self.up_channel, json.dumps({"call": call_sid, "owner": self.replica_id})
                     )
                 elif kind == "ended":
-                    ended = json.dumps({"state": "ended", "replica": self.replica_id, "reason": reason})
-                    await self.redis.eval(_RETIRE, 1, self.key(call_sid), self.live_value, ended, ENDED_TTL_S)
+                    ended = json.dumps({**json.loads(live), "state": "ended", "reason": reason})
+                    await self.redis.eval(_RETIRE, 1, self.key(call_sid), live, ended, ENDED_TTL_S)
                 else:
-                    owned = list(self._owned)  # those still live when the refresh comes to be written
+                    owned = list(self._owned.items())  # those still live when the refresh is written
                     if owned:
                         async with self.redis.pipeline(transaction=False) as pipe:
-                            for sid in owned:
-                                pipe.set(self.key(sid), self.live_value, ex=CALL_TTL_S)
+                            for sid, value in owned:
+                                pipe.set(self.key(sid), value, ex=CALL_TTL_S)
                             await self.store.execute(pipe)
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("call directory write (%s %s) failed: %s", kind, call_sid, exc)
@@ -237,7 +249,7 @@ class CallRouter:
         while True:
             await asyncio.sleep(CALL_REFRESH_S)
             if self._owned:
-                self._writes.put_nowait(("refresh", "", ""))
+                self._writes.put_nowait(("refresh", "", "", ""))
 
     def _wake(self, call_sid: str) -> None:
         for event in self._waiters.get(call_sid, ()):
@@ -280,7 +292,7 @@ class CallRouter:
         """An agent attached through another replica: served as a local one would be."""
         pinger: asyncio.Task[None] | None = None
         try:
-            call = self.twilio.owned(call_sid)
+            call = self.twilio.owned(call_sid, principal.key_id)  # another key's: not here
             if call is None or call.agent is not None:
                 reason = "not_here" if call is None else "busy"
                 await self.send(link.peer, {"op": "refused", "link": link_id, "reason": reason})
@@ -320,7 +332,7 @@ class CallRouter:
         frames: asyncio.Queue[AgentFrame] = asyncio.Queue()
         reader = self._spawn(self._pump(websocket, frames))
         try:
-            entry = await self._find(call_sid, reader)
+            entry = await self._find(call_sid, principal_of(websocket).key_id, reader)
             if reader.done():
                 return  # the agent left while waiting
             if entry is None or entry["state"] == "ended" or entry.get("replica") == self.replica_id:
@@ -365,7 +377,7 @@ class CallRouter:
             if frame is None:
                 return
 
-    async def _find(self, call_sid: str, reader: asyncio.Task[None]) -> dict[str, Any] | None:
+    async def _find(self, call_sid: str, key_id: str, reader: asyncio.Task[None]) -> dict[str, Any] | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
         event = asyncio.Event()
@@ -373,7 +385,7 @@ class CallRouter:
         try:
             while True:
                 event.clear()
-                entry = await self.lookup(call_sid)
+                entry = await self.lookup_for(call_sid, key_id)
                 remaining = deadline - loop.time()
                 if entry is not None or remaining <= 0 or reader.done():
                     return entry
@@ -396,7 +408,8 @@ class CallRouter:
     async def _serve_here(
         self, websocket: WebSocket, call_sid: str, frames: asyncio.Queue[AgentFrame]
     ) -> None:
-        call = self.twilio.owned(call_sid)
+        principal = principal_of(websocket)
+        call = self.twilio.owned(call_sid, principal.key_id)
         if call is None:
             await self._refuse(websocket, "call_not_found", f"call {call_sid[:64]!r} has ended")
             return
@@ -404,7 +417,7 @@ class CallRouter:
             with contextlib.suppress(Exception):
                 await websocket.close(CLOSE_POLICY, "this call already has an agent")
             return
-        self.twilio.attach(call, websocket, principal_of(websocket))
+        self.twilio.attach(call, websocket, principal)
         await self.twilio.run_agent(call, websocket, frames.get)
 
     async def _relay(

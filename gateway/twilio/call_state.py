@@ -63,6 +63,9 @@ class CallState:
         )
         self.protocol = SessionProtocol(f"twilio/{call_sid}", engine.info, line_config, now=self.loop.time())
         self.protocol.started = True  # the control channel has no session.started
+        # the key the call belongs to: its media stream's, or, until the stream comes, its
+        # agent's; a control channel of another key never reaches it (gateway.twilio.endpoints)
+        self.owner = ""
         self.stream_sid: str | None = None
         self.start_info: dict[str, Any] = {}
         self.twilio: WebSocket | None = None

@@ -100,7 +100,7 @@ async def test_agent_on_another_replica_barges_in_and_the_owner_sends_one_webhoo
         async with agent_at(r2.http, key, "CA-cross") as agent:
             started = await agent.until("call.started")
             assert started["stream_sid"] == sim.stream_sid and started["custom_parameters"] == params
-            assert directory(c, "CA-cross") == {"state": "live", "replica": "r1"}
+            assert directory(c, "CA-cross") == {"state": "live", "replica": "r1", "key": "agent"}
             await _speak_and_wait_for_audio(agent, sim, LONG, after_s=1.1)
             await agent.send(type="speak.cancel", utterance_id="u1")
             report = await agent.until("utterance.interrupted", utterance_id="u1")

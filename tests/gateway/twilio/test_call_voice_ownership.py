@@ -95,12 +95,12 @@ async def test_a_call_speaks_only_its_agents_registered_voices(keys: Keys, where
         own = await call_outcome(gw, key_a, key_a, **voice_at(voice))
         assert own["type"] == "utterance.started", own
         streams_before = len(engine.streams)
-        # key b's agent, on a stream of key a's or of its own: what a missing voice gets
-        for stream_key in (key_a, key_b):
-            foreign = await call_outcome(gw, stream_key, key_b, **voice_at(voice))
-            missing = await call_outcome(gw, stream_key, key_b, **voice_at(NO_SUCH_VOICE))
-            assert refusal(foreign, voice) == refusal(missing, NO_SUCH_VOICE)
-            assert refusal(foreign, voice)[0] == "unknown_voice"
+        # key b's agent, on its own key's stream (a stream of key a's is not key b's to control,
+        # tests/gateway/twilio/test_stream_authentication.py): what a missing voice gets
+        foreign = await call_outcome(gw, key_b, key_b, **voice_at(voice))
+        missing = await call_outcome(gw, key_b, key_b, **voice_at(NO_SUCH_VOICE))
+        assert refusal(foreign, voice) == refusal(missing, NO_SUCH_VOICE)
+        assert refusal(foreign, voice)[0] == "unknown_voice"
         assert len(engine.streams) == streams_before  # the engine never spoke it for key b
 
 
