@@ -154,6 +154,7 @@ class Gateway:
             if quotas is not None:
                 quotas.open_session(principal.key_id)
         except QuotaError as exc:
+            self.metrics.errors.labels(exc.code).inc()  # sent here, not through a session's actions
             await websocket.send_text(encode({"type": "error", "code": exc.code, "message": exc.message}))
             await websocket.close(CLOSE_POLICY, exc.message[:120])
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import hashlib
 import hmac
 import json
@@ -21,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC
 from typing import Any, Final
 
 import httpx
@@ -73,9 +75,10 @@ class RetryPolicy:
     def delay(self, retry: int, retry_after_s: float | None = None) -> float:
         """Seconds before retry number `retry` (1 = the first retry)."""
         base = min(self.max_delay_s, self.first_delay_s * self.factor ** (retry - 1))
-        if retry_after_s is not None:
-            base = min(self.max_delay_s, max(base, retry_after_s))
-        return max(0.0, base * (1.0 + random.uniform(-self.jitter, self.jitter)))
+        delay = base * (1.0 + random.uniform(-self.jitter, self.jitter))
+        if retry_after_s is not None:  # the receiver's wish is a lower bound: jitter only adds to it
+            delay = max(delay, retry_after_s)
+        return max(0.0, min(self.max_delay_s, delay))
 
 
 @dataclass(slots=True)
@@ -101,7 +104,12 @@ class WebhookSender:
         self.policy = policy or RetryPolicy()
         self.max_in_flight = max_in_flight
         self.stats = WebhookStats()
-        self._client_factory = client_factory or (lambda: httpx.AsyncClient(follow_redirects=False))
+        # a connection for every delivery in flight: with httpx's default pool (100), deliveries
+        # stuck on one dead receiver would hold every connection and starve the healthy ones
+        limits = httpx.Limits(max_connections=max_in_flight)
+        self._client_factory = client_factory or (
+            lambda: httpx.AsyncClient(follow_redirects=False, limits=limits)
+        )
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[bool]] = set()
         self._client_lock: asyncio.Lock | None = None
@@ -149,11 +157,14 @@ class WebhookSender:
             retry_after: float | None = None
             try:
                 # httpx's timeout bounds each read or write, not the attempt: a receiver that
-                # trickles its answer would hold the delivery (and its place in flight) for good
+                # trickles its answer would hold the delivery (and its place in flight) for good.
+                # The status line is the answer; the body is never read: a slow or endless one
+                # must not turn a delivered event into a timeout (and a duplicate), nor fill memory
                 async with asyncio.timeout(self.policy.timeout_s):
-                    response = await client.post(
-                        url, content=body, headers=headers, timeout=self.policy.timeout_s
-                    )
+                    async with client.stream(
+                        "POST", url, content=body, headers=headers, timeout=self.policy.timeout_s
+                    ) as response:
+                        status, retry_after = response.status_code, _retry_after(response)
             except httpx.InvalidURL as exc:  # no attempt can reach it
                 log.warning("webhook %s to %s: %s", delivery_id, url, exc)
                 break
@@ -162,13 +173,12 @@ class WebhookSender:
                     "webhook %s to %s, attempt %d: %s", delivery_id, url, attempt, str(exc) or "timed out"
                 )
             else:
-                if 200 <= response.status_code < 300:
+                if 200 <= status < 300:
                     self.stats.delivered += 1
                     return True
-                if response.status_code < 500 and response.status_code not in RETRY_STATUSES:
-                    log.warning("webhook %s refused by %s with %d", delivery_id, url, response.status_code)
+                if status < 500 and status not in RETRY_STATUSES:
+                    log.warning("webhook %s refused by %s with %d", delivery_id, url, status)
                     break
-                retry_after = _retry_after(response)
             if attempt < self.policy.attempts:
                 await asyncio.sleep(self.policy.delay(attempt, retry_after))
         self.stats.failed += 1
@@ -202,11 +212,21 @@ class WebhookSender:
 
 
 def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds from now that `Retry-After` asks for: delay-seconds or an HTTP-date (RFC 9110)."""
     value = response.headers.get("Retry-After")
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
+    if value is None:
         return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - time.time())
 
 
 def interruption_payload(message: Mapping[str, Any], session_id: str, **extra: Any) -> dict[str, Any]:
