@@ -190,15 +190,17 @@ def _script_counts(text: str) -> tuple[int, int, int, int, int]:
     kana = hangul = han = cyrillic = latin = 0
     for ch in text:
         code = ord(ch)
-        if 0x3040 <= code <= 0x30FF or 0x31F0 <= code <= 0x31FF or 0xFF66 <= code <= 0xFF9D:
-            kana += 1
+        if (
+            0x3040 <= code <= 0x30FF or 0x31F0 <= code <= 0x31FF or 0xFF66 <= code <= 0xFF9D
+        ) and ch.isalpha():
+            kana += 1  # letters only: Chinese writes names with the katakana middle dot too (哈利・波特)
         elif 0xAC00 <= code <= 0xD7AF or 0x1100 <= code <= 0x11FF or 0x3130 <= code <= 0x318F:
             hangul += 1
         elif (
             0x4E00 <= code <= 0x9FFF
             or 0x3400 <= code <= 0x4DBF
             or 0xF900 <= code <= 0xFAFF
-            or code >= 0x20000
+            or 0x20000 <= code <= 0x3FFFF  # the CJK extension planes; emoji tag sequences lie beyond
         ):
             han += 1
         elif 0x0400 <= code <= 0x04FF:

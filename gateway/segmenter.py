@@ -5,9 +5,12 @@ once it is at least `clause_min_chars` long, clause punctuation (, ; : and ，�
 forms): the marks of all ten Qwen3-TTS languages (Spanish ¿ ¡ open a sentence and never end one,
 French spaced "Oui !" is cut after the mark, Russian uses the ASCII marks). ASCII punctuation
 counts only when whitespace follows it, so 3.14, 1,000, example.com/a?b and https:// never split,
-and a full stop after a known abbreviation (Dr., e.g.) or a single initial (J.) does not either.
-Segments keep their trailing whitespace, so their texts concatenate back to the client's text, and
-each carries `char_start`, its offset in that text. No segment is longer than `max_chars`.
+and a full stop after a known abbreviation (Dr., e.g.; "no" only before a number), an initial (J.,
+U.S.A.) or the number opening a list line ("1. ") does not either; nor does a full-width mark
+between digits (３．５, 10：30). Segments keep their trailing whitespace, so their texts concatenate
+back to the client's text, and each carries `char_start`, its offset in that text. No segment is
+longer than `max_chars`: without a boundary the cut falls after a clause mark or a space, else
+at the limit, moved back so that it never splits a grapheme.
 
 `UtteranceText` puts the language tags (gateway.languages) in front: tags are removed, a language
 change ends the segment, each segment carries its language (the tag's, or the Auto rule's), and a
@@ -16,6 +19,8 @@ change ends the segment, each segment carries its language (the tag's, or the Au
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from collections.abc import Sequence
 from typing import Final
 
@@ -28,21 +33,54 @@ CLAUSE_ASCII: Final = frozenset(",;:")
 CLAUSE_WIDE: Final = frozenset("，、；：､﹐﹑﹔﹕")
 CLOSERS: Final = frozenset("\"')]}”’»」』）】〕")
 ABBREVIATIONS: Final = frozenset(
-    "mr mrs ms dr prof sr jr st mt vs etc cf approx dept fig no e.g i.e a.m p.m u.s".split()
+    "mr mrs ms dr prof sr jr st mt vs etc cf approx dept fig e.g i.e a.m p.m u.s".split()
 )
+# abbreviations only in front of a number: "No. 5", but "The answer is no. You ..." ends a sentence
+NUMBER_ABBREVIATIONS: Final = frozenset({"no"})
+# an initial ("J. R. R. Tolkien") or dotted initials ("U.S.A.", "U.K.")
+_INITIALS: Final = re.compile(r"[^\W\d_](?:\.[^\W\d_])*")
 
 
 def _is_abbreviation(text: str, dot: int) -> bool:
-    """Whether the full stop at text[dot] closes an abbreviation or an initial."""
+    """Whether the full stop at text[dot] closes an abbreviation or an initial. The word runs back
+    to the previous space: an apostrophe inside it belongs to it ("don't." is no initial "t.")."""
     start = dot
-    while start > 0 and not text[start - 1].isspace() and text[start - 1] not in CLOSERS:
+    while start > 0 and not text[start - 1].isspace():
         start -= 1
     word = text[start:dot].lower().lstrip("(\"'“‘«")
     if not word:
         return False
-    if len(word) == 1 and word.isalpha():
-        return True  # an initial: "J. R. R. Tolkien"
-    return word in ABBREVIATIONS
+    if word in NUMBER_ABBREVIATIONS:
+        after = text[dot + 1 :].lstrip()
+        return not after or after[0].isdecimal()  # nothing after it yet: undecided, so no cut yet
+    return word in ABBREVIATIONS or _INITIALS.fullmatch(word) is not None
+
+
+def _between_digits(text: str, i: int) -> bool:
+    """Whether text[i] sits inside a number ("３．５", "10：30", "１，０００")."""
+    return 0 < i < len(text) - 1 and text[i - 1].isdecimal() and text[i + 1].isdecimal()
+
+
+def _is_regional_indicator(ch: str) -> bool:
+    return 0x1F1E6 <= ord(ch) <= 0x1F1FF
+
+
+def _continues_grapheme(text: str, i: int) -> bool:
+    """Whether text[i] belongs to the grapheme of text[i - 1]: the cases of UAX #29 that LLM text
+    carries (combining marks and variation selectors, ZWJ sequences, skin tones, emoji tag
+    sequences, keycaps, flag pairs, CR LF)."""
+    ch, prev = text[i], text[i - 1]
+    code = ord(ch)
+    if unicodedata.category(ch) in ("Mn", "Me", "Mc") or "\u200d" in (ch, prev):
+        return True
+    if 0x1F3FB <= code <= 0x1F3FF or 0xE0020 <= code <= 0xE007F or (prev, ch) == ("\r", "\n"):
+        return True
+    if _is_regional_indicator(ch) and _is_regional_indicator(prev):
+        run = 1  # regional indicators pair up from the start of their run
+        while i - run - 1 >= 0 and _is_regional_indicator(text[i - run - 1]):
+            run += 1
+        return run % 2 == 1
+    return False
 
 
 class Segmenter:
@@ -54,6 +92,7 @@ class Segmenter:
         self._buffer = ""
         self._offsets: list[int] = []  # _offsets[i]: offset of _buffer[i] in the client's text
         self._next = start_offset  # offset of the next character fed without explicit offsets
+        self._line_start = True  # whether _buffer[0] begins a line of the client's text
 
     @property
     def pending(self) -> str:
@@ -91,6 +130,7 @@ class Segmenter:
                     break
             piece, self._buffer = self._buffer[:end], self._buffer[end:]
             offsets, self._offsets = self._offsets[:end], self._offsets[end:]
+            self._line_start = piece.rstrip(" \t").endswith("\n")
             if piece.strip():
                 contiguous = offsets[-1] - offsets[0] == len(offsets) - 1
                 out.append(
@@ -109,6 +149,9 @@ class Segmenter:
                 end = self._after_closers(i + 1)
                 if end == len(text) and not final:
                     return None  # a closing quote may follow
+                if _between_digits(text, i):
+                    i += 1
+                    continue
                 if c in SENTENCE_WIDE or end >= self.clause_min_chars:
                     return self._after_space(end)
             elif c == "\n" and text[:i].strip():
@@ -124,7 +167,12 @@ class Segmenter:
                     i = end
                     continue
                 sentence = c in SENTENCE_ASCII
-                if sentence and c == "." and run == i + 1 and _is_abbreviation(text, i):
+                if (
+                    sentence
+                    and c == "."
+                    and run == i + 1
+                    and (_is_abbreviation(text, i) or self._is_list_marker(text, i))
+                ):
                     i = end
                     continue
                 if sentence or end >= self.clause_min_chars:
@@ -146,14 +194,35 @@ class Segmenter:
             j += 1
         return min(j, self.max_chars)  # a long run of marks ("?!?!") may be cut inside
 
+    def _is_list_marker(self, text: str, dot: int) -> bool:
+        """Whether the full stop at text[dot] ends the number of a numbered list item: digits that
+        open a line ("1. Open the app")."""
+        start = dot
+        while start > 0 and text[start - 1].isdecimal():
+            start -= 1
+        if not 0 < dot - start <= 3:
+            return False
+        before = text[:start].rstrip(" \t")
+        return before.endswith("\n") if before else self._line_start
+
     def _forced_cut(self) -> int:
-        """No boundary within max_chars: cut at the last clause mark or space, else at max_chars."""
-        window = self._buffer[: self.max_chars]
-        for marks in (CLAUSE_ASCII | CLAUSE_WIDE, frozenset(" \t\n")):
-            best = max((window.rfind(m) for m in marks), default=-1)
-            if best > 0:
-                return best + 1
-        return self.max_chars
+        """No boundary within max_chars: cut after the last clause mark that could end a clause (not
+        one inside a number, time or URL), else after the last space, else at max_chars moved back
+        to the start of a grapheme."""
+        text = self._buffer
+        for k in range(self.max_chars - 1, 0, -1):
+            c = text[k]
+            if (c in CLAUSE_ASCII and text[k + 1].isspace()) or (
+                c in CLAUSE_WIDE and not _between_digits(text, k)
+            ):
+                return k + 1
+        best = max(text.rfind(m, 0, self.max_chars) for m in " \t\n")
+        if best > 0:
+            return best + 1
+        cut = self.max_chars
+        while cut > 0 and _continues_grapheme(text, cut):
+            cut -= 1
+        return cut or self.max_chars  # one grapheme longer than max_chars: the limit wins
 
 
 class UtteranceText:
@@ -182,8 +251,10 @@ class UtteranceText:
     def feed(self, text: str) -> list[TextSegment]:
         return self._take(self._tagger.feed(text))
 
-    def flush(self) -> list[TextSegment]:
-        out = self._take(self._tagger.flush())
+    def flush(self, final: bool = True) -> list[TextSegment]:
+        """Cut everything pending. Before the end of the text (`final` False: speak.flush) a tail
+        that may still become a tag ("<e") stays with the tagger for the next append."""
+        out = self._take(self._tagger.flush() if final else [])
         return out + self._label(self._segmenter.flush())
 
     def _take(self, runs: list[Run]) -> list[TextSegment]:

@@ -197,7 +197,7 @@ class SessionProtocol(EngineFeedback, Admission):
         utt.text += message.text
         segments = utt.segmenter.feed(message.text)
         if message.flush:
-            segments += utt.segmenter.flush()
+            segments += utt.segmenter.flush(final=False)
         return out + self._give_text(utt, segments)
 
     def _flush(self, uid: str, close: bool) -> list[Action]:
@@ -210,7 +210,7 @@ class SessionProtocol(EngineFeedback, Admission):
             return []  # a second speak.end (or a flush after it) changes nothing
         if close:
             utt.status = Status.TEXT_CLOSED
-        return self._give_text(utt, utt.segmenter.flush(), close)
+        return self._give_text(utt, utt.segmenter.flush(final=close), close)
 
     def _resume(self, message: SpeakResume, now: float) -> list[Action]:
         uid, source_id = message.utterance_id, message.from_utterance
