@@ -7,7 +7,8 @@
 - The position comes from the cancel message ("client"), else the last playback.report
   extrapolated at real time and capped at what was sent ("report"), else the server's own clock
   from the first packet sent, capped at what was sent ("server"). After a pause the server's clock
-  runs from the paused position, from the moment of the unpause.
+  runs from the paused position, from the moment of the unpause (from the first packet when none
+  had been sent by then).
 - A caller that knows which words were heard (Twilio's marks) bounds `last_word` by that index.
 """
 

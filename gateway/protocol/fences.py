@@ -184,7 +184,10 @@ class Fences(Playback):
         pause = utt.pause
         assert pause is not None
         self._end_pause(utt)
-        utt.clock = Report(pause.played_ms, now)
+        if utt.first_sent_at is not None:
+            # the listener goes on from the paused position now; with nothing sent yet it has
+            # nothing to play, and its clock starts with the first packet, as without a pause
+            utt.clock = Report(pause.played_ms, now)
         rate = utt.packetiser.format.sample_rate
         out: list[Action] = [
             SendControl({"type": "utterance.unpaused", "utterance_id": utt.utterance_id}),
