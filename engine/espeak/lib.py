@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from collections.abc import Callable
 from ctypes import (
@@ -37,6 +38,10 @@ CHARS_UTF8 = 1
 RATE = 1  # espeak_SetParameter's words-per-minute parameter
 EVENT_WORD = 1
 BUFFER_MS = 100
+# what eSpeak must not see of a caller's text: NUL ends its C string, U+0001 opens an embedded
+# command ("\x01300A") that changes the process-wide voice for every later call, and a lone
+# surrogate has no UTF-8; each becomes one space, so event positions still index the caller's text
+_UNSPEAKABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 class _EventId(Union):
@@ -115,15 +120,20 @@ class Espeak:
         self._languages: dict[str, str] | None = None
 
     def languages(self) -> dict[str, str]:
-        """Language codes of the data files, lower case -> as eSpeak spells them (en-US, cmn ...)."""
+        """Language codes of the data files that speak, lower case -> as eSpeak spells them (en-US,
+        cmn ...); a language whose dictionary the data lacks (fo, kaa) would speak silence."""
         if self._languages is None:
-            root = Path(self.data_path) / "lang"
-            self._languages = {p.name.lower(): p.name for p in root.rglob("*") if p.is_file()}
+            root = Path(self.data_path)
+            self._languages = {
+                p.name.lower(): p.name
+                for p in (root / "lang").rglob("*")
+                if p.is_file() and (root / f"{_dictionary(p)}_dict").is_file()
+            }
         return self._languages
 
     def synthesize(self, text: str, voice: str, rate_wpm: int, handler: ChunkHandler) -> None:
         """Speak `text`, streaming chunks into `handler` (in this thread) until done or aborted."""
-        data = text.encode("utf-8") + b"\0"
+        data = _UNSPEAKABLE.sub(" ", text).encode("utf-8") + b"\0"
         with _LOCK:
             if voice != self._voice:
                 if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
@@ -172,6 +182,19 @@ def library() -> Espeak:
         if _INSTANCE is None:
             _INSTANCE = Espeak()
         return _INSTANCE
+
+
+def _dictionary(lang_file: Path) -> str:
+    """The dictionary a language data file loads: its `dictionary`, else its first language's
+    code up to the first hyphen (pt-br -> pt), as eSpeak picks it."""
+    dictionary = language = None
+    for line in lang_file.read_text("utf-8", errors="replace").splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] == "dictionary":
+            dictionary = dictionary or words[1]
+        elif len(words) >= 2 and words[0] == "language":
+            language = language or words[1]
+    return dictionary or (language or lang_file.name).split("-")[0]
 
 
 def _locate() -> tuple[str, str]:
