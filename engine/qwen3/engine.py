@@ -27,6 +27,7 @@ from engine.api import (
     EngineError,
     EngineInfo,
     EngineLoad,
+    InvalidAudio,
     InvalidRequest,
     Overloaded,
     QueuePosition,
@@ -504,7 +505,10 @@ class Qwen3Engine:
             segment.payload = self._segment_prompt(text, req, cloned, segment.payload.forced_frames)
 
     def _finish_prompt(self, segment: Segment) -> None:
-        segment.prompt_len = self.runner.prompt_length(segment.payload)
+        try:
+            segment.prompt_len = self.runner.prompt_length(segment.payload)
+        except ValueError as exc:  # text past a slot's text positions: the request's own fault
+            raise InvalidRequest(str(exc)) from exc
         max_len = self.econfig.runner.max_len
         if segment.prompt_len >= max_len:
             raise InvalidRequest(f"prompt of {segment.prompt_len} positions exceeds max_len {max_len}")
@@ -591,9 +595,23 @@ class Qwen3Engine:
         elif o.status == RequestStatus.FINISHED_ERROR and o.retry_after_s is not None:
             batch.fail(stream.channel, Overloaded(o.error or "engine at capacity", o.retry_after_s))
         elif o.status == RequestStatus.FINISHED_ERROR:
-            batch.fail(stream.channel, EngineError(o.error or "synthesis failed"))
+            batch.fail(stream.channel, _failure(o.error))
         else:
             batch.finish(stream.channel)
+
+
+# errors that are the request's own fault (engine.api): the client is told them as such, also when
+# they come from the step thread, which ends a request with a "Type: message" string (`_error_of`)
+_CLIENT_ERRORS: dict[str, type[EngineError]] = {
+    cls.__name__: cls for cls in (InvalidRequest, InvalidAudio, UnknownVoice)
+}
+
+
+def _failure(error: str | None) -> EngineError:
+    """The exception a request that ended with `error` fails its stream with."""
+    name, _, message = (error or "").partition(": ")
+    typed = _CLIENT_ERRORS.get(name)
+    return typed(message) if typed is not None else EngineError(error or "synthesis failed")
 
 
 def _error_of(fn: Callable[..., object], *args: Any) -> str | None:

@@ -59,7 +59,13 @@ class TextTokenizer:
         return cls(build_bpe(vocab, merges, pattern), special)
 
     def encode(self, text: str) -> list[int]:
-        """Text (may contain special-token strings) -> ids."""
+        """Text (may contain special-token strings) -> ids; ValueError for text that is not valid
+        Unicode (lone surrogates, as json.loads makes of "\\ud800" escapes), which the BPE refuses
+        with a TypeError."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
         ids: list[int] = []
         pos = 0
         if self._special_re is not None:
