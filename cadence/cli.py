@@ -302,6 +302,16 @@ def serve_main(argv: list[str]) -> int:
         SchedulerConfig().override(args.scheduler)  # a bad setting stops here, not in the engine's worker
     except ValueError as e:
         raise SystemExit(f"--scheduler: {e}") from e
+    from gateway.auth import KeyStore
+
+    try:  # a missing file or a bad line stops here, in one line, before the engine loads
+        KeyStore.load(args.api_keys_file, os.environ.get("CADENCE_API_KEYS"))
+    except OSError as e:
+        raise SystemExit(f"--api-keys-file {args.api_keys_file}: {e.strerror}") from e
+    except ValueError as e:
+        sources = [f"--api-keys-file {args.api_keys_file}"] if args.api_keys_file else []
+        sources += ["CADENCE_API_KEYS"] if os.environ.get("CADENCE_API_KEYS") else []
+        raise SystemExit(f"{' or '.join(sources)}: {e}") from e
     from gateway.config import GatewayConfig
     from gateway.quotas import QuotaLimits
     from gateway.server import serve

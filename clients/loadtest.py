@@ -40,7 +40,20 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
-from clients.client import Done, Error, Interrupted, Packet, PlaybackClock, Queued, Session, Words, connect
+import websockets
+
+from clients.client import (
+    ClientError,
+    Done,
+    Error,
+    Interrupted,
+    Packet,
+    PlaybackClock,
+    Queued,
+    Session,
+    Words,
+    connect,
+)
 from clients.loadtest_report import (
     PRICE_PER_HOUR_USD,
     UNFINISHED,
@@ -51,6 +64,7 @@ from clients.loadtest_report import (
     summarize,
     word_lags_ms,
 )
+from clients.say import failure
 
 DEFAULT_LEVELS = "1,8,32,64,128,256,384,512,768,1024"
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
@@ -568,11 +582,20 @@ def bench_main(argv: list[str] | None = None, command: str | None = None) -> int
 
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
-    prompts = load_corpus(args.corpus)
+    try:
+        prompts = load_corpus(args.corpus)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        print(f"error: --corpus {args.corpus}: {reason}", file=sys.stderr)
+        return 2
     levels = [c for c in args.concurrency.split(",") if c.strip()]
     for level in levels:  # a typo fails before the sweep, not after an hour of it
         resolve_level(level, 1)
-    engine = asyncio.run(server_engine(args))
+    try:
+        engine = asyncio.run(server_engine(args))
+    except (ClientError, OSError, websockets.WebSocketException) as exc:
+        print(failure(exc, args.url), file=sys.stderr)
+        return 2
     output: Path = (
         args.output
         or Path("deploy/bench")

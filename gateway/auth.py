@@ -405,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2 or argv[0] != "new":
         print("usage: python -m gateway.auth new NAME", file=sys.stderr)
         return 2
-    key, stored = new_key(argv[1])
+    try:
+        key, stored = new_key(argv[1])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"key (give it to the client; it is not stored): {key}")
     print(f"line for the keys file or CADENCE_API_KEYS:     {stored.line()}")
     return 0
