@@ -603,6 +603,8 @@ class WorkerPoolEngine:
             with contextlib.suppress(EngineError):
                 await self._call(worker, "voice", voice_id, audio, rate, text)
         worker.alive = True
+        self._bounds()  # its load may have come before it was live, and so not counted yet
+        self._promote()
         log.info("engine worker %d (pid %s) ready: %s", index, process.pid, info.name)
         return info
 
@@ -676,6 +678,7 @@ class WorkerPoolEngine:
     def _worker_gone(self, worker: _Worker, why: str) -> None:
         """Fail exactly the requests this worker held."""
         worker.alive = False
+        self._bounds()  # the pool's bound and queue are those of the workers still live
         for rid in list(worker.in_flight):
             stream = self._streams.get(rid)
             if stream is not None:
