@@ -5,7 +5,6 @@ code comes from (`invalid_request`, never `internal`), and the streams beside it
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.api import InvalidRequest, SynthesisRequest, TextSegment
 from engine.qwen3.engine import Qwen3Engine
@@ -13,7 +12,7 @@ from engine.qwen3.request import RequestStatus
 from gateway.errors import error_code
 from tests.engine.qwen3.test_qwen3_engine import bundle, checkpoint, collect, drive, make_engine, open_greedy  # noqa: F401
 from tests.engine.qwen3.test_voice_clone import clip
-from tests.engine.qwen3.utils import engine_config
+from tests.engine.qwen3.utils import tiny_base_engine
 
 pytestmark = pytest.mark.reference
 LONE_SURROGATE = "Hello \ud800 there."  # what json.loads makes of a "\ud800" escape
@@ -21,16 +20,7 @@ LONE_SURROGATE = "Hello \ud800 there."  # what json.loads makes of a "\ud800" es
 
 @pytest.fixture(scope="module")
 def base_engine(tmp_path_factory: pytest.TempPathFactory) -> Qwen3Engine:
-    from tests.reference_builders import build_reference_tts
-
-    path = build_reference_tts("base", tmp_path_factory.mktemp("tiny_base_edges"))
-    torch.manual_seed(0)
-    config = engine_config(
-        max_streams=2, kv_slots=2, max_len=160, max_batch=2, enforce_eager=True, progress_bar=False
-    )
-    eng = Qwen3Engine.from_pretrained(path, "cpu", torch.float32, config)
-    eng._ready = True  # steps are driven by hand
-    return eng
+    return tiny_base_engine(tmp_path_factory.mktemp("tiny_base_edges"))
 
 
 async def fails_with(stream) -> BaseException:  # type: ignore[no-untyped-def]

@@ -4,29 +4,19 @@ neither the engine nor its prompt cache holds it by name; the voices it keeps sp
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.api import SynthesisRequest, TextSegment, UnknownVoice
 from engine.qwen3.engine import Qwen3Engine
 from tests.engine.qwen3.test_qwen3_engine import drive
 from tests.engine.qwen3.test_voice_clone import clip
-from tests.engine.qwen3.utils import engine_config
+from tests.engine.qwen3.utils import tiny_base_engine
 
 pytestmark = pytest.mark.reference
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Qwen3Engine:
-    from tests.reference_builders import build_reference_tts
-
-    path = build_reference_tts("base", tmp_path_factory.mktemp("tiny_base"))
-    torch.manual_seed(0)
-    config = engine_config(
-        max_streams=2, kv_slots=2, max_len=160, max_batch=2, enforce_eager=True, progress_bar=False
-    )
-    eng = Qwen3Engine.from_pretrained(path, "cpu", torch.float32, config)
-    eng._ready = True  # steps are driven by hand
-    return eng
+    return tiny_base_engine(tmp_path_factory.mktemp("tiny_base"))
 
 
 async def frames_spoken(engine: Qwen3Engine, rid: str, voice: str) -> int:

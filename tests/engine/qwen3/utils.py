@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import ChunkSchedule, Priority, TextSegment
@@ -12,7 +13,7 @@ from engine.qwen3.request import SAMPLES_PER_FRAME, Request, Segment
 from engine.qwen3.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from engine.qwen3.engine import Qwen3EngineConfig
+    from engine.qwen3.engine import Qwen3Engine, Qwen3EngineConfig
 
 EOS = 2150
 
@@ -125,3 +126,21 @@ def run_steps(sched: Scheduler, steps: int, clock: FakeClock | None = None, dt: 
         outs.extend(sched.update(plan, fake_output(plan)))
         plans.append(plan)
     return plans, outs
+
+
+def tiny_base_engine(directory: Path) -> Qwen3Engine:
+    """A tiny random Base (voice clone) checkpoint written into `directory`, served on the CPU
+    eagerly with two streams; its steps are driven by hand (`_ready` set, no step thread)."""
+    import torch
+
+    from engine.qwen3.engine import Qwen3Engine
+    from tests.reference_builders import build_reference_tts
+
+    path = build_reference_tts("base", directory)
+    torch.manual_seed(0)
+    config = engine_config(
+        max_streams=2, kv_slots=2, max_len=160, max_batch=2, enforce_eager=True, progress_bar=False
+    )
+    eng = Qwen3Engine.from_pretrained(path, "cpu", torch.float32, config)
+    eng._ready = True
+    return eng

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,6 +234,25 @@ class Cluster:
         if self.redis is not None:
             self.redis.kill()  # also a paused one
             self.redis.wait(5)
+
+
+@contextlib.contextmanager
+def two_keyed_replicas(workdir: Path, env_extra: dict[str, str]) -> Iterator[tuple[Cluster, tuple[str, str]]]:
+    """Redis and two eSpeak replicas that know the keys `alpha` and `beta` (`env_extra` for both:
+    one CADENCE_TOKEN_SECRET makes a token minted on one honoured by the other)."""
+    from gateway.auth import new_key
+
+    key_a, stored_a = new_key("alpha", iterations=1_000)
+    key_b, stored_b = new_key("beta", iterations=1_000)
+    keys_file = workdir / "keys"
+    keys_file.write_text(f"{stored_a.line()}\n{stored_b.line()}\n")
+    c = Cluster(workdir)
+    try:
+        c.start_redis()
+        c.start_replicas(2, "espeak", keys_file, env_extra=env_extra)
+        yield c, (key_a, key_b)
+    finally:
+        c.stop()
 
 
 needs_redis = pytest.mark.skipif(

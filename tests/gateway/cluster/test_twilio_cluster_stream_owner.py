@@ -10,7 +10,6 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,8 +17,7 @@ import pytest
 import redis as redis_sync
 import websockets
 
-from gateway.auth import new_key
-from tests.gateway.cluster.harness import Cluster, tools_available
+from tests.gateway.cluster.harness import Cluster, tools_available, two_keyed_replicas
 from tests.gateway.twilio.conftest import Agent
 from tests.gateway.twilio.simulator import TwilioSimulator
 
@@ -34,19 +32,11 @@ Keys = tuple[str, str]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Keys]]:
-    workdir: Path = tmp_path_factory.mktemp("twilio-cluster-owner")
-    key_a, stored_a = new_key("alpha", iterations=1_000)
-    key_b, stored_b = new_key("beta", iterations=1_000)
-    keys_file = workdir / "keys"
-    keys_file.write_text(f"{stored_a.line()}\n{stored_b.line()}\n")
-    c = Cluster(workdir)
-    try:
-        c.start_redis()
-        env = {"CADENCE_TOKEN_SECRET": "shared-secret", "CADENCE_CALL_WAIT_S": str(CALL_WAIT_S)}
-        c.start_replicas(2, "espeak", keys_file, env_extra=env)
-        yield c, (key_a, key_b)
-    finally:
-        c.stop()
+    with two_keyed_replicas(
+        tmp_path_factory.mktemp("twilio-cluster-owner"),
+        {"CADENCE_TOKEN_SECRET": "shared-secret", "CADENCE_CALL_WAIT_S": str(CALL_WAIT_S)},
+    ) as made:
+        yield made
 
 
 def bearer(credential: str) -> dict[str, str]:

@@ -9,16 +9,15 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import websockets
 
-from gateway.auth import Principal, new_key
+from gateway.auth import Principal
 from gateway.cluster.calls import principal_from_link, principal_on_link
-from tests.gateway.cluster.harness import Cluster, tools_available
+from tests.gateway.cluster.harness import Cluster, tools_available, two_keyed_replicas
 from tests.gateway.twilio.conftest import Agent
 from tests.gateway.twilio.simulator import TwilioSimulator
 from tests.gateway.twilio.test_call_voice_ownership import outcome
@@ -33,19 +32,10 @@ Keys = tuple[str, str]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Keys]]:
-    workdir: Path = tmp_path_factory.mktemp("twilio-cluster-voices")
-    key_a, stored_a = new_key("alpha", iterations=1_000)
-    key_b, stored_b = new_key("beta", iterations=1_000)
-    keys_file = workdir / "keys"
-    keys_file.write_text(f"{stored_a.line()}\n{stored_b.line()}\n")
-    c = Cluster(workdir)
-    try:
-        c.start_redis()
-        # one token secret for both replicas: a token minted on one is honoured by the other
-        c.start_replicas(2, "espeak", keys_file, env_extra={"CADENCE_TOKEN_SECRET": "shared-secret"})
-        yield c, (key_a, key_b)
-    finally:
-        c.stop()
+    with two_keyed_replicas(
+        tmp_path_factory.mktemp("twilio-cluster-voices"), {"CADENCE_TOKEN_SECRET": "shared-secret"}
+    ) as made:
+        yield made
 
 
 def bearer(credential: str) -> dict[str, str]:

@@ -73,9 +73,13 @@ class Agent:
 
 
 @contextlib.asynccontextmanager
-async def agent_for(gateway: RunningGateway, call_sid: str) -> Any:
+async def agent_for(gateway: RunningGateway, call_sid: str, credential: str | None = None) -> Any:
+    """The call's control channel, with a key or token as its Bearer credential when given."""
+    headers = {"Authorization": f"Bearer {credential}"} if credential is not None else None
     ws = await websockets.connect(
-        f"ws://127.0.0.1:{gateway.port}/v1/twilio/control/{call_sid}", max_size=None
+        f"ws://127.0.0.1:{gateway.port}/v1/twilio/control/{call_sid}",
+        additional_headers=headers,
+        max_size=None,
     )
     agent = Agent(ws)
     try:

@@ -7,19 +7,16 @@ a voice-scoped token on the control channel speaks only its voices, as on `/v1/s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import websockets
 
 from gateway.config import GatewayConfig
 from tests.fakes import FakeEngine
 from tests.gateway.test_voice_ownership import NO_SUCH_VOICE, Keys, bearer, keys, register  # noqa: F401
-from tests.gateway.twilio.conftest import Agent
+from tests.gateway.twilio.conftest import Agent, agent_for
 from tests.gateway.twilio.simulator import TwilioSimulator
 from tests.integration.conftest import RunningGateway, run_gateway
 
@@ -28,20 +25,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def new_call_sid() -> str:
     return f"CA{uuid.uuid4().hex}"
-
-
-@contextlib.asynccontextmanager
-async def agent_with(gw: RunningGateway, credential: str, call_sid: str) -> AsyncIterator[Agent]:
-    ws = await websockets.connect(
-        f"ws://127.0.0.1:{gw.port}/v1/twilio/control/{call_sid}",
-        additional_headers=bearer(credential),
-        max_size=None,
-    )
-    agent = Agent(ws)
-    try:
-        yield agent
-    finally:
-        await agent.close()
 
 
 async def outcome(agent: Agent, timeout_s: float = 15.0) -> dict[str, Any]:
@@ -65,7 +48,7 @@ async def call_outcome(
     params = {"voice": parameter} if parameter is not None else {}
     url = f"ws://127.0.0.1:{gw.port}/v1/twilio?token={stream_key}"
     async with TwilioSimulator(url, call_sid=call_sid, custom_parameters=params):
-        async with agent_with(gw, agent_credential, call_sid) as agent:
+        async with agent_for(gw, call_sid, agent_credential) as agent:
             await agent.until("call.started")
             if start is not None:
                 await agent.send(type="session.start", voice=start)

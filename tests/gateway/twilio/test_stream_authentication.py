@@ -8,9 +8,7 @@ call that does not exist, and a token of the same key controls it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -22,7 +20,7 @@ from websockets.asyncio.client import ClientConnection
 from gateway.twilio import TwilioGateway
 from tests.fakes import FakeEngine
 from tests.gateway.test_voice_ownership import Keys, bearer, keys  # noqa: F401 (a fixture)
-from tests.gateway.twilio.conftest import Agent
+from tests.gateway.twilio.conftest import Agent, agent_for
 from tests.gateway.twilio.simulator import TwilioSimulator
 from tests.integration.conftest import RunningGateway, run_gateway
 
@@ -44,20 +42,6 @@ def twilio_of(gw: RunningGateway) -> TwilioGateway:
 
 def stream_url(gw: RunningGateway) -> str:
     return f"ws://127.0.0.1:{gw.port}/v1/twilio"  # as Twilio connects: no header, no query string
-
-
-@contextlib.asynccontextmanager
-async def agent_with(gw: RunningGateway, credential: str, call_sid: str) -> AsyncIterator[Agent]:
-    ws = await websockets.connect(
-        f"ws://127.0.0.1:{gw.port}/v1/twilio/control/{call_sid}",
-        additional_headers=bearer(credential),
-        max_size=None,
-    )
-    agent = Agent(ws)
-    try:
-        yield agent
-    finally:
-        await agent.close()
 
 
 async def mint(gw: RunningGateway, key: str) -> str:
@@ -92,7 +76,7 @@ async def test_a_stream_authenticated_by_its_token_parameter_is_served_and_speak
         call_sid = new_call_sid()
         params = {"token": secret, "voice": "alice"}
         async with TwilioSimulator(stream_url(gw), call_sid=call_sid, custom_parameters=params) as sim:
-            async with agent_with(gw, key, call_sid) as agent:
+            async with agent_for(gw, call_sid, key) as agent:
                 started = await agent.until("call.started")
                 await speaks(agent, sim)
     assert started["custom_parameters"] == {"voice": "alice"}  # the token stays with Cadence
@@ -107,7 +91,7 @@ async def test_a_stream_without_a_good_token_closes_1008_and_registers_nothing(
     auth, key, _ = keys
     with run_gateway(FakeEngine(), auth=auth) as gw:
         call_sid = new_call_sid()
-        async with agent_with(gw, key, call_sid) as agent:  # the agent came first, and waits
+        async with agent_for(gw, call_sid, key) as agent:  # the agent came first, and waits
             params = {"voice": "alice"} if token is None else {"token": token}
             sim = TwilioSimulator(stream_url(gw), call_sid=call_sid, custom_parameters=params)
             await sim.__aenter__()
@@ -141,14 +125,14 @@ async def test_an_upgrade_credential_still_authenticates_a_stream(keys: Keys) ->
     with run_gateway(FakeEngine(), auth=auth) as gw:
         call_sid = new_call_sid()
         async with TwilioSimulator(f"{stream_url(gw)}?token={key}", call_sid=call_sid) as sim:
-            async with agent_with(gw, key, call_sid) as agent:
+            async with agent_for(gw, call_sid, key) as agent:
                 await agent.until("call.started")
                 await speaks(agent, sim)
 
 
 async def unknown_call_answer(gw: RunningGateway, credential: str, call_sid: str) -> list[str]:
     """What an agent hears in QUIET_S after saying one utterance on `call_sid`."""
-    async with agent_with(gw, credential, call_sid) as agent:
+    async with agent_for(gw, call_sid, credential) as agent:
         await agent.say("u1", "Hello there.")
         await asyncio.sleep(QUIET_S)
         assert agent.ws.close_code is None
@@ -165,7 +149,7 @@ async def test_another_keys_agent_is_answered_as_for_an_unknown_call(keys: Keys)
             unknown = await unknown_call_answer(gw, key_b, new_call_sid())
             assert foreign == unknown and "call.started" not in foreign
             assert not sim.log.media_in  # key b's text never reached the line
-            async with agent_with(gw, await mint(gw, key_a), call_sid) as owner:  # a token of key a
+            async with agent_for(gw, call_sid, await mint(gw, key_a)) as owner:  # a token of key a
                 await owner.until("call.started")
                 await speaks(owner, sim)
 
@@ -174,7 +158,7 @@ async def test_another_keys_waiting_agent_does_not_get_the_call(keys: Keys) -> N
     auth, key_a, key_b = keys
     with run_gateway(FakeEngine(), auth=auth) as gw:
         call_sid = new_call_sid()
-        async with agent_with(gw, key_b, call_sid) as squatter, agent_with(gw, key_a, call_sid) as owner:
+        async with agent_for(gw, call_sid, key_b) as squatter, agent_for(gw, call_sid, key_a) as owner:
             await asyncio.sleep(0.1)  # both wait for the stream
             params = {"token": key_a}
             async with TwilioSimulator(stream_url(gw), call_sid=call_sid, custom_parameters=params) as sim:
