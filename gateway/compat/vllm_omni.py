@@ -11,7 +11,8 @@ this one is still being sent. Utterances go out in order: `audio.start`, the aud
 frames; base64 `audio.chunk` frames with `word_timestamps`, the last one carrying the words;
 with `stream_audio: false` one binary frame of the whole file in `response_format`), `audio.done`
 (with `timestamp_info` for `timestamp_type: "word"`), then `session.done`. An `input.done` with no
-text answers `session.done` with zero sentences at once (a keep-alive). `session.close` closes;
+text answers `session.done` with zero sentences at once (a keep-alive). `session.close` closes
+once the utterances ended before it are sent (the one being sent, still taking text, ends failed);
 closing the socket is the barge-in: every utterance in flight is cancelled. `voice.list` answers
 with the engine's voices. Errors: `{"type": "error", "message"}`. A native error that refuses one
 message and leaves its utterance going (`text_too_long` on a later `input.text`; gateway.errors'
@@ -355,17 +356,25 @@ class VllmOmniSocket(DialectSocket):
     async def _session_close(self) -> None:
         """vLLM-Omni serves a connection's messages in turn, so every utterance ended by an
         input.done before session.close is sent whole before the close; text not yet ended by an
-        input.done is dropped."""
+        input.done is dropped. A cut utterance whose audio.start has gone out (it is the one being
+        sent) still ends on the wire: as a failed one, unless its native utterance had
+        already ended, so that every audio.start has its audio.done and session.done."""
         self._close_requested = True
         utt, self.current, self._leading = self.current, None, ""
         if utt is not None:
-            if self.queue and self.queue[-1] is utt:
-                self.queue.pop()
-            if utt.opened and utt.link is not None:  # admitted or not: the cancel follows its opening
+            if utt.opened and not utt.done and utt.link is not None:
+                # admitted or not: the cancel follows its opening; one that has ended takes none
                 utt.link.send({"type": "speak.cancel", "utterance_id": utt.utterance_id})
-            self._forget(utt)
-            if utt.encoder is not None:
-                utt.encoder.close()
+            if utt.started:
+                if not utt.done:
+                    self._fail(utt, "session.close came before its input.done; the rest is dropped")
+                utt.ended = True  # the drain below ends it in its turn, before the close
+            else:
+                if self.queue and self.queue[-1] is utt:
+                    self.queue.pop()
+                self._forget(utt)
+                if utt.encoder is not None:
+                    utt.encoder.close()
             self._open_waiting()
         await self._drain()
 
@@ -452,7 +461,11 @@ class VllmOmniSocket(DialectSocket):
                 return
             self.queue.popleft()
             self._forget(utt)
-            await self._finish(utt)
+            try:
+                await self._finish(utt)
+            finally:  # a failed utterance's file is never finished, and a send may raise
+                if utt.encoder is not None:
+                    utt.encoder.close()  # after finish(), nothing is left to free
         if self._close_requested:
             self.close(1000, "session.close")
 
