@@ -131,6 +131,8 @@ class Gateway:
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         # utterance.interrupted -> session's webhook_url
         self.webhooks = webhooks or WebhookSender.from_env()
+        # read through the gateway at each scrape: the sender of the moment, calls' deliveries too
+        self.metrics.watch_webhooks(lambda: self.webhooks.stats)
         self.ttfa_window = TtfaWindow(self.metrics)
         self.voice_aliases = VoiceAliases.load(config.voice_aliases_file)  # other vendors' voice names
 

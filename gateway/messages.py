@@ -506,9 +506,23 @@ MAX_URL_CHARS: Final = 2048
 
 def _webhook_url(f: _Fields) -> str | None:
     url = f.text("webhook_url", max_chars=MAX_URL_CHARS)
-    if url is not None and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
-        raise f.fail("`webhook_url` must be an http:// or https:// URL")
+    if url is not None and (problem := webhook_url_problem(url)) is not None:
+        raise f.fail(problem)
     return url
+
+
+def webhook_url_problem(url: object) -> str | None:
+    """Why `url` cannot serve as a `webhook_url` (None when it can): the rules of `session.start`,
+    for the places that take one outside a message (a Twilio stream parameter)."""
+    if not isinstance(url, str):
+        return "`webhook_url` must be a string"
+    if not _is_valid_unicode(url):
+        return "`webhook_url` is not valid UTF-8 text"
+    if not 0 < len(url) <= MAX_URL_CHARS:
+        return f"`webhook_url` must have 1 to {MAX_URL_CHARS} characters"
+    if not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
+        return "`webhook_url` must be an http:// or https:// URL"
+    return None
 
 
 def _speak_append(f: _Fields) -> SpeakAppend:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,6 +19,16 @@ from prometheus_client.registry import Collector
 
 from engine.api import AdmissionFigures, EngineLoad
 from gateway.gc_pauses import BUCKETS_S, GcPauses
+
+
+class DeliveryCounts(Protocol):
+    """What the webhook sender counts (gateway.webhooks.WebhookStats), read at each scrape."""
+
+    delivered: int
+    failed: int
+    dropped: int
+    attempts: int
+
 
 _TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
 _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -79,6 +90,11 @@ class GatewayMetrics:
         cadence_gc_pause_longest_seconds."""
         self.registry.register(_GcPauseCollector(pauses))
 
+    def watch_webhooks(self, stats: Callable[[], DeliveryCounts]) -> None:
+        """Expose the webhook sender's counts (`stats()`, read at each scrape):
+        cadence_webhook_deliveries_total{outcome} and cadence_webhook_attempts_total."""
+        self.registry.register(_WebhookCollector(stats))
+
     def include(self, other: CollectorRegistry) -> None:
         """Serve `other`'s metrics with these (read at each scrape): a cluster's."""
         self.registry.register(_RegistryCollector(other))
@@ -101,6 +117,30 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _WebhookCollector(Collector):
+    """The webhook sender's own counts since start (gateway.webhooks.WebhookStats), read rather
+    than counted twice; `outcome` is one of a fixed few, never the URL."""
+
+    def __init__(self, stats: Callable[[], DeliveryCounts]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        deliveries = CounterMetricFamily(
+            "cadence_webhook_deliveries",
+            "Webhook deliveries by outcome: delivered (2xx), failed (a final refusal or out of "
+            "attempts), dropped (too many in flight)",
+            labels=["outcome"],
+        )
+        deliveries.add_metric(["delivered"], stats.delivered)
+        deliveries.add_metric(["failed"], stats.failed)
+        deliveries.add_metric(["dropped"], stats.dropped)
+        yield deliveries
+        yield CounterMetricFamily(
+            "cadence_webhook_attempts", "Webhook POST attempts, retries included", value=stats.attempts
+        )
 
 
 class _RegistryCollector(Collector):

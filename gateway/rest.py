@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import soxr
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -157,7 +158,7 @@ def parse_speech_request(
         isinstance(max_wait_ms, bool) or not isinstance(max_wait_ms, int) or not 0 <= max_wait_ms <= 2**31
     ):
         raise BadRequest("invalid_message", "`max_wait_ms` must be a whole number of milliseconds")
-    ref_audio = _reference_clip(body.get("ref_audio"))
+    ref_audio = _reference_clip(body.get("ref_audio"), None if engine is None else engine.sample_rate)
     voice = _voice(body.get("voice"))
     if engine is not None:
         voice = (aliases or VoiceAliases()).resolve(voice, engine)
@@ -190,8 +191,9 @@ def _voice(value: object) -> str | None:
     return value
 
 
-def _reference_clip(value: object) -> tuple[npt.NDArray[np.float32], int] | None:
-    """`ref_audio`: an audio file (WAV, FLAC, OGG, ...) as base64 or a `data:` URL."""
+def _reference_clip(value: object, rate: int | None = None) -> tuple[npt.NDArray[np.float32], int] | None:
+    """`ref_audio`: an audio file (WAV, FLAC, OGG, ...) as base64 or a `data:` URL, resampled to
+    `rate` (the engine's) when given."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -204,9 +206,16 @@ def _reference_clip(value: object) -> tuple[npt.NDArray[np.float32], int] | None
     except (binascii.Error, ValueError):
         raise BadRequest("invalid_audio", "`ref_audio` is not valid base64") from None
     try:
-        return decode_clip(data)
+        audio, clip_rate = decode_clip(data)
     except ClipError as exc:
         raise BadRequest("invalid_audio", str(exc)) from None
+    if rate is not None and clip_rate != rate:
+        # the clone engines take their clip at their own rate and resample it in open(), which
+        # runs on the event loop: here, off the loop, a high-rate clip costs no session its audio
+        # (float32 soxr HQ, as the engines resample it)
+        audio = np.ascontiguousarray(soxr.resample(audio, clip_rate, rate, quality="HQ"), dtype=np.float32)
+        clip_rate = rate
+    return audio, clip_rate
 
 
 def _sse(event: dict[str, Any]) -> bytes:

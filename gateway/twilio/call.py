@@ -23,6 +23,7 @@ from gateway.messages import (
     SpeakPause,
     SpeakUnpause,
     decode,
+    webhook_url_problem,
 )
 from gateway.twilio.call_actions import CallActions
 from gateway.twilio.media import inbound_pcm
@@ -54,9 +55,16 @@ class Call(CallActions):
         self.protocol.voice = params.get("voice") or self.protocol.voice
         self.protocol.language = params.get("language") or self.protocol.language
         url = params.get("webhook_url")
-        if isinstance(url, str) and url.startswith(("http://", "https://")):
-            self.webhook_url = url
-        self.to_agent(self._call_started())
+        self.parameter_errors = []
+        if url is not None:
+            # held to session.start's rules; one that breaks them is not used, and the agent
+            # hears why as it would from its own session.start
+            problem = webhook_url_problem(url)
+            if problem is None:
+                self.webhook_url = url
+            else:
+                self.parameter_errors.append({"type": "error", "code": "invalid_message", "message": problem})
+        self.announce_call()
         self._wake.set()
 
     def on_twilio(self, message: Mapping[str, Any], now: float) -> None:

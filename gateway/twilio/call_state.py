@@ -73,6 +73,9 @@ class CallState:
         self.ended = False
         self.end_reason: str | None = None
         self.webhook_url: str | None = None
+        # `error`s about the stream's parameters: told to the agent with call.started, which
+        # may attach after the stream started
+        self.parameter_errors: list[dict[str, Any]] = []
         self.utterances: dict[str, PhoneUtterance] = {}  # in the order they were opened
         self._streams: dict[int, PhoneUtterance] = {}
         self.line_free_at = self.loop.time()  # when the line last finished sending an utterance
@@ -144,7 +147,13 @@ class CallState:
         self._speak_for(principal, voice_usable)
         self._to_agent = asyncio.Queue()
         if self.stream_sid is not None:
-            self.to_agent(self._call_started())
+            self.announce_call()
+
+    def announce_call(self) -> None:
+        """call.started, then what was wrong with the stream's parameters."""
+        self.to_agent(self._call_started())
+        for error in self.parameter_errors:
+            self.to_agent(error)
 
     def _speak_for(self, principal: Principal, voice_usable: Callable[[str, str], bool]) -> None:
         """The agent sends the text, so its key owns what the call says: utterances it opens pass
