@@ -6,19 +6,14 @@ gets what a callSid that does not exist gets (`call_not_found` after the wait, c
 
 from __future__ import annotations
 
-import contextlib
-import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis as redis_sync
-import websockets
 
 from tests.gateway.cluster.harness import Cluster, tools_available, two_keyed_replicas
-from tests.gateway.twilio.conftest import Agent
+from tests.gateway.cluster.test_twilio_cluster import agent_at, directory
 from tests.gateway.twilio.simulator import TwilioSimulator
 
 pytestmark = [
@@ -52,25 +47,6 @@ async def mint(c: Cluster, key: str) -> str:
         r = await http.post(f"{c.replicas[0].http}/v1/tokens", json={"ttl_s": 300}, headers=bearer(key))
         r.raise_for_status()
         return str(r.json()["token"])
-
-
-@contextlib.asynccontextmanager
-async def agent_at(http: str, credential: str, call_sid: str) -> AsyncIterator[Agent]:
-    url = f"{ws_base(http)}/v1/twilio/control/{call_sid}"
-    agent = Agent(await websockets.connect(url, additional_headers=bearer(credential), max_size=None))
-    try:
-        yield agent
-    finally:
-        await agent.close()
-
-
-def directory(c: Cluster, call_sid: str) -> dict[str, Any] | None:
-    store = redis_sync.Redis.from_url(c.redis_url)
-    try:
-        raw = store.get(f"cadence:call:{call_sid}")
-        return json.loads(raw) if raw is not None else None
-    finally:
-        store.close()
 
 
 async def refusal(http: str, credential: str, call_sid: str) -> tuple[str, str, int | None]:
