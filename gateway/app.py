@@ -28,6 +28,7 @@ from gateway.auth import (
     Principal,
     from_environment,
     make_token_endpoint,
+    principal_of,
 )
 from gateway.compat import Compat, compat_routes
 from gateway.compat.voices import VoiceAliases
@@ -150,7 +151,7 @@ class Gateway:
         if self.closing:
             await websocket.close(CLOSE_GOING_AWAY, "server shutting down")
             return
-        principal: Principal = websocket.scope.get("state", {}).get("principal", ANONYMOUS)
+        principal = principal_of(websocket)
         quotas = self.quotas_for(principal)
         try:
             if quotas is not None:

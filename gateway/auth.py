@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -66,14 +66,10 @@ class Principal:
         """The engine default (None) is always allowed; a scoped token allows only its voices."""
         return voice is None or self.voices is None or voice in self.voices
 
-    def may_clone(self) -> bool:
-        """A clone (registered, or one-off from a reference clip) is a voice outside any list, so a
-        voice-scoped token may make none; a key, or a token without a list, may."""
-        return self.voices is None
-
-    def may_delete_voices(self) -> bool:
-        """A voice-scoped token reads and speaks its key's voices but changes none: deleting, like
-        registering, is for a key or a token without a list."""
+    def may_change_voices(self) -> bool:
+        """Whether it may clone (register a voice, or speak one-off from a reference clip) and
+        delete voices: a clone is a voice outside any list, so a voice-scoped token, which reads
+        and speaks its key's voices, changes none; a key, or a token without a list, may."""
         return self.voices is None
 
 
@@ -356,6 +352,13 @@ class AuthMiddleware:
         return await authenticate(self.auth, credential)
 
 
+def principal_of(connection: HTTPConnection) -> Principal:
+    """Who a request or WebSocket authenticated as (AuthMiddleware, or a dialect that takes its
+    credentials later); without keys configured, the anonymous principal."""
+    principal = connection.scope.get("state", {}).get("principal", ANONYMOUS)
+    return principal if isinstance(principal, Principal) else ANONYMOUS
+
+
 async def authenticate(auth: Authenticator, credential: str | None) -> Principal:
     """`auth.authenticate`, with a key's hash computed off the event loop; raises AuthError."""
     if credential and credential.startswith(KEY_PREFIX) and auth.enabled:
@@ -367,7 +370,7 @@ def make_token_endpoint(auth: Authenticator, default_ttl_s: float = 300.0) -> An
     """POST /v1/tokens {"ttl_s": 300, "voices": ["Vivian"]} with an API key -> a browser token."""
 
     async def tokens(request: Request) -> Response:
-        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        principal = principal_of(request)
         if principal.via_token:
             return _unauthorized("tokens are minted with an API key, not with a token")
         try:

@@ -44,7 +44,7 @@ from engine.api import (
     SynthesisStream,
     float_samples,
 )
-from gateway.auth import ANONYMOUS, Principal
+from gateway.auth import Principal, principal_of
 from gateway.compat.encoding import CONTAINERS, MEDIA_TYPES, OPUS_RATES, Container, StreamEncoder
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
@@ -315,9 +315,9 @@ def make_speech_endpoint(
             body = json.loads(raw)
         except ValueError:
             return fail(400, "invalid_message", "the body is not valid JSON")
-        principal: Principal = getattr(request.state, "principal", ANONYMOUS)
+        principal = principal_of(request)
         one_off = isinstance(body, dict) and body.get("ref_audio") is not None
-        if one_off and not principal.may_clone():  # refused before its clip is decoded
+        if one_off and not principal.may_change_voices():  # refused before its clip is decoded
             return fail(403, "unauthorized", "a token limited to some voices may not clone one")
         try:
             if one_off:

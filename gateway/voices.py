@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.api import Engine, EngineError
-from gateway.auth import ANONYMOUS, Principal
+from gateway.auth import principal_of
 from gateway.config import GatewayConfig
 
 log = logging.getLogger("cadence.voices")
@@ -256,10 +256,6 @@ async def read_limited(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def principal_of(request: Request) -> Principal:
-    return getattr(request.state, "principal", ANONYMOUS)
-
-
 def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], Awaitable[Response]], ...]:
     config = registry.config
 
@@ -273,7 +269,7 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
                     "presets": list(registry.engine.info.voices),
                 }
             )
-        if not principal.may_clone():
+        if not principal.may_change_voices():
             return _error(403, "unauthorized", "a token limited to some voices may not register voices")
         # a JSON body carries the file as base64 (4/3 of it) and the fields; a raw body is the file
         json_body = request.headers.get("content-type", "").startswith("application/json")
@@ -306,7 +302,7 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
         # another key's voice is unknown before anything else, so no refusal tells it exists
         if voice is None or voice.owner != principal.key_id:
             return _error(404, "unknown_voice", f"no voice {voice_id[:40]!r}")
-        if request.method == "DELETE" and not principal.may_delete_voices():
+        if request.method == "DELETE" and not principal.may_change_voices():
             return _error(403, "unauthorized", "a token limited to some voices may not delete voices")
         if request.method == "DELETE":
             await registry.remove(voice_id)

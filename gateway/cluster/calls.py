@@ -39,12 +39,11 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 from starlette.websockets import WebSocket, WebSocketState
 
-from gateway.auth import Principal
+from gateway.auth import Principal, principal_of
 from gateway.cluster.pubsub import listen_forever
 from gateway.cluster.store import Store
 from gateway.messages import encode
 from gateway.twilio import CLOSE_POLICY, AgentFrame, TwilioGateway, next_agent_frame
-from gateway.twilio.endpoints import principal_of
 
 log = logging.getLogger("cadence.calls")
 

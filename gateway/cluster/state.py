@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from engine.api import AudioChunk, Engine, QueuePosition, SynthesisRequest, SynthesisStream, TextSegment
-from gateway.auth import ANONYMOUS
+from gateway.auth import principal_of
 from gateway.cluster.pubsub import listen_forever
 from gateway.cluster.quotas import SharedQuotas
 from gateway.cluster.store import Store, StoreUnavailable
@@ -433,7 +433,7 @@ class Cluster:
         ]
 
     async def interrupt_endpoint(self, request: Request) -> Response:
-        principal = getattr(request.state, "principal", ANONYMOUS)
+        principal = principal_of(request)
         utterance_id = request.path_params["utterance_id"]
         try:
             body = json.loads(await request.body() or b"{}")

@@ -21,7 +21,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.api import Engine
 from gateway.auth import (
-    ANONYMOUS,
     Authenticator,
     AuthError,
     KeyStore,
@@ -29,6 +28,7 @@ from gateway.auth import (
     TokenSigner,
     auth_deferred,
     authenticate,
+    principal_of,
 )
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -290,13 +290,6 @@ async def next_twilio_message(websocket: WebSocket) -> Mapping[str, Any]:
             continue
         if isinstance(message, dict):
             return message
-
-
-def principal_of(websocket: WebSocket) -> Principal:
-    """Who the control channel authenticated as (gateway.auth.AuthMiddleware); without keys
-    configured, the anonymous principal."""
-    principal = websocket.scope.get("state", {}).get("principal", ANONYMOUS)
-    return principal if isinstance(principal, Principal) else ANONYMOUS
 
 
 async def next_agent_frame(websocket: WebSocket) -> AgentFrame:
