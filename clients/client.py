@@ -33,7 +33,7 @@ from typing import Any
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from gateway.messages import BYTES_PER_SAMPLE, Word, unpack_packet
+from gateway.messages import BYTES_PER_SAMPLE, MESSAGE_REFUSED_CODES, Word, unpack_packet
 
 # -- events ---------------------------------------------------------------------------------------
 
@@ -124,11 +124,6 @@ class Error:
 
 Event = Started | Queued | Packet | Words | Done | Interrupted | Paused | Unpaused | Error
 _TERMINAL = (Done, Interrupted, Error)
-# errors that answer a message and leave an utterance the engine has taken as it was (protocol.md);
-# before its `utterance.started` the same codes refuse to open it
-MESSAGE_REFUSED_CODES = frozenset(
-    {"text_too_long", "rate_limited", "utterance_closed", "not_paused", "utterance_exists", "invalid_message"}
-)
 
 
 class ClientError(Exception):

@@ -49,8 +49,7 @@ from pipecat.services.tts_service import WebsocketTTSService
 from pipecat.utils.errors import ErrorCategory
 from websockets.protocol import State
 
-from clients.client import MESSAGE_REFUSED_CODES
-from gateway.messages import HEADER_BYTES, unpack_packet
+from gateway.messages import HEADER_BYTES, MESSAGE_REFUSED_CODES, unpack_packet
 
 
 class CadenceTTSService(WebsocketTTSService):

@@ -18,14 +18,6 @@ CLOSE_GOING_AWAY: Final = 1001  # the server is shutting down
 CLOSE_POLICY: Final = 1008  # bad token, or a client too slow
 CLOSE_TOO_BIG: Final = 1009  # a frame over max_message_bytes
 
-# errors that refuse one message about an utterance the engine has taken and leave it going
-# (protocol.md); the same codes before its `utterance.started` refuse to open it. A session answers
-# an utterance's opening append before it reads the next message, so `utterance.started` or the
-# refusal comes first. clients.client keeps the same set for its `Error.ends_utterance`.
-MESSAGE_REFUSED_CODES: Final = frozenset(
-    {"text_too_long", "rate_limited", "utterance_closed", "not_paused", "utterance_exists", "invalid_message"}
-)
-
 
 def error_code(exc: BaseException) -> ErrorCode:
     """The protocol error code for any exception (unknown failures are `internal`)."""

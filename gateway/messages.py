@@ -58,6 +58,13 @@ ErrorCode = Literal[
     "call_lost",  # Twilio control channel: the replica holding the call stopped answering
     "internal",
 ]
+# errors that refuse one message about an utterance the engine has taken and leave it going
+# (protocol.md); the same codes before its `utterance.started` refuse to open it. A session answers
+# an utterance's opening append before it reads the next message, so `utterance.started` or the
+# refusal comes first
+MESSAGE_REFUSED_CODES: Final[frozenset[ErrorCode]] = frozenset(
+    {"text_too_long", "rate_limited", "utterance_closed", "not_paused", "utterance_exists", "invalid_message"}
+)
 
 
 class ProtocolError(Exception):

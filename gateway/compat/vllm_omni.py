@@ -15,7 +15,7 @@ text answers `session.done` with zero sentences at once (a keep-alive). `session
 once the utterances ended before it are sent (the one being sent, still taking text, ends failed);
 closing the socket is the barge-in: every utterance in flight is cancelled. `voice.list` answers
 with the engine's voices. Errors: `{"type": "error", "message"}`. A native error that refuses one
-message and leaves its utterance going (`text_too_long` on a later `input.text`; gateway.errors'
+message and leaves its utterance going (`text_too_long` on a later `input.text`; gateway.messages'
 MESSAGE_REFUSED_CODES) is one such error, with its `code`, in that utterance's turn, and the
 utterance goes on; one that refuses the utterance's opening, or an engine failure, fails it.
 
@@ -40,9 +40,8 @@ from starlette.websockets import WebSocket
 
 from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
 from gateway.compat.encoding import CONTAINERS, Container, EncodingError, StreamEncoder, check_format
-from gateway.errors import MESSAGE_REFUSED_CODES
 from gateway.languages import normalise_language
-from gateway.messages import SAMPLE_RATES, PacketHeader
+from gateway.messages import MESSAGE_REFUSED_CODES, SAMPLE_RATES, PacketHeader
 
 CONFIG_TIMEOUT_S: Final = 10.0
 # utterances one connection may have queued (open, waiting or being sent); each holds its text and

@@ -17,7 +17,7 @@ import websockets
 
 from clients.client import MESSAGE_REFUSED_CODES as CLIENT_REFUSED_CODES
 from gateway.config import GatewayConfig
-from gateway.errors import MESSAGE_REFUSED_CODES
+from gateway.messages import MESSAGE_REFUSED_CODES
 from tests.fakes import FakeEngine
 from tests.gateway.compat.vllm_omni_wire import CONFIG, pcm_bytes, per_utterance, until_sessions_done, url
 from tests.integration.conftest import run_gateway
