@@ -7,7 +7,8 @@
 #   lag behind their first audio (p90), and the figures of the aligner's targets.
 # Environment: as bench/gpu_bench_e2e.sh: SIZE (1.7B), CONC (1,64,256,512), POINT_SECONDS (20), DEVICE
 #              (cuda), OUTDIR ($OUT or ./bench-out), SERVE_ARGS, PORT (8765), TAG (the size); and
-#              MAX_STREAMS (auto), ALIGNED_CONC (CONC: the levels of the two runs with the aligner),
+#              MAX_STREAMS (auto), ALIGNED_CONC (CONC: the levels of the two runs with the aligner), SYNC_CONC
+#              (ALIGNED_CONC: the sync run's own levels),
 #              ALIGNER_CKPT (.cache/cadence-random-aligner), STREAMS (256: where sync's added TTFA is
 #              read), WARMUP_SECONDS (5), SKIP_PLAIN (set: keep an earlier bench-TAG-plain.json in OUTDIR),
 #              PYSPY_AT / PYSPY_FOR (sample the aligned server's stacks with py-spy, PYSPY_AT s into
@@ -72,7 +73,7 @@ if [ -n "${PYSPY_AT:-}" ]; then
      --format raw -o "$OUTDIR/pyspy-$tag-async.txt" > "$OUTDIR/pyspy-$tag-async.log" 2>&1) &
 fi
 sweep async "${ALIGNED_CONC:-$CONC}" --alignment async
-sweep sync "${ALIGNED_CONC:-$CONC}" --alignment sync
+sweep sync "${SYNC_CONC:-${ALIGNED_CONC:-$CONC}}" --alignment sync
 stop aligner
 for name in plain async sync; do
   [ -f "$OUTDIR/bench-$tag-$name.json" ] || { echo "no bench-$tag-$name.json"; exit 1; }

@@ -15,7 +15,11 @@ Admission counts what the aligner keeps up with (engine.alignment.capacity): a s
 words is admitted only while the aligner keeps up with one more, and then as the wrapped engine
 admits it; beyond that it waits in a bounded queue (`utterance.queued`, through `queue_position`)
 or is refused (Overloaded, with a Retry-After), as the wrapped engine's own admission does. "off"
-streams do not count: they go to the wrapped engine at once.
+streams do not count: they go to the wrapped engine at once. While a sync stream holds or awaits a
+place, aligned streams are also held to what the wrapped engine says its step keeps at the sync
+streams' pace (the `admission_sync_streams` figure of its load, engine.qwen3.capacity; the "off"
+streams it serves count against it): sync audio goes out word by word, and a listener runs dry
+between releases when the engine makes audio much slower than that.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from engine.api import (
 from engine.bridge import ChunkChannel
 
 MAX_ALIGNED_STREAMS = 1 << 16  # admission's upper bound; the measured cost is the real one
+SYNC_PACE_FIGURE = "admission_sync_streams"  # the wrapped engine's streams kept at the sync pace
+PACE_REFRESH_S = 0.1  # how often admission reads that figure from the wrapped engine's load
 # Sync streams' audio chunks stop growing at 8 frames: a probe runs when a chunk arrives, and
 # releases only what two probes agree on, so 2-second chunks leave a listener with the first words'
 # audio and nothing until the next chunk (bench/sync_release_sim.py); the default schedule's larger
@@ -101,6 +107,8 @@ class AlignedStream(SynthesisStream):
         self._tracker.set_mode(mode)
         if (before == "off") != (self.mode == "off"):
             self._engine.alignment_changed(self)
+        else:
+            self._engine.note_mode(self)
 
     def attach(self, inner: SynthesisStream) -> None:
         """The wrapped engine's stream: the held text goes to it and its chunks are taken."""
@@ -264,6 +272,8 @@ class AlignedEngine:
             MAX_ALIGNED_STREAMS, queue_limit, capacity=self._cost_capacity, starts=self._starts
         )
         self._streams: set[AlignedStream] = set()  # opened, their place not yet given back
+        self._sync: set[AlignedStream] = set()  # of them, the sync streams
+        self._pace: tuple[float, int | None] = (float("-inf"), None)  # (read at, sync pace streams)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._promoting = False
         self._stopping = False
@@ -311,9 +321,14 @@ class AlignedEngine:
             request = dataclasses.replace(request, schedule=SYNC_SCHEDULE)
         stream = AlignedStream(self, request, mode)
         if mode != "off":
-            stream.ticket = self.admission.arrive(
-                stream, request.priority, request.max_wait_s
-            )  # or Overloaded
+            if mode == "sync":
+                self._sync.add(stream)  # it arrives to the pace held for it
+            try:
+                stream.ticket = self.admission.arrive(
+                    stream, request.priority, request.max_wait_s
+                )  # or Overloaded
+            finally:
+                self._sync.discard(stream)  # until it is one of the streams (note_mode)
         if stream.ticket is None or stream.ticket.admitted_at is not None:
             try:
                 stream.attach(self.inner.open(request))  # or the wrapped engine's refusal
@@ -325,6 +340,7 @@ class AlignedEngine:
         elif request.max_wait_s is not None:
             self.admission.arm_expiry(self._loop, self._expire)
         self._streams.add(stream)
+        self.note_mode(stream)
         self._count()
         return stream
 
@@ -344,7 +360,28 @@ class AlignedEngine:
 
     # -- admission (event loop) -------------------------------------------------------------------
     def _cost_capacity(self) -> int:
-        return self.cost.capacity(self.admission.max_streams)
+        capacity = self.cost.capacity(self.admission.max_streams)
+        pace = self._sync_pace() if self._sync else None
+        return capacity if pace is None else min(capacity, pace)
+
+    def _sync_pace(self) -> int | None:
+        """Aligned streams the wrapped engine keeps at the sync pace (at least one, so that a sync
+        stream is never held back by nothing; None: the engine does not say)."""
+        now = self._loop.time() if self._loop is not None else 0.0
+        read_at, pace = self._pace
+        if now - read_at >= PACE_REFRESH_S:
+            figure = self.inner.load().extra.get(SYNC_PACE_FIGURE)
+            off = sum(1 for stream in self._streams if stream.mode == "off")
+            pace = None if figure is None else max(1, int(figure) - off)
+            self._pace = (now, pace)
+        return pace
+
+    def note_mode(self, stream: AlignedStream) -> None:
+        """A stream opened, or its mode changed: whether admission keeps the sync pace for it."""
+        if stream.mode == "sync" and stream in self._streams:
+            self._sync.add(stream)
+        else:
+            self._sync.discard(stream)
 
     def _starts(self) -> int:
         return self.cost.starts(self._worker.queued_audio_s if self._worker is not None else 0.0)
@@ -387,6 +424,7 @@ class AlignedEngine:
     def release(self, stream: AlignedStream) -> None:
         """A stream ended (or was refused, or cancelled): its place goes to the next one queued."""
         self._streams.discard(stream)
+        self._sync.discard(stream)
         if stream.ticket is not None:
             self.admission.leave(stream.ticket)
         self._promote()
@@ -396,6 +434,7 @@ class AlignedEngine:
         place back (one still queued goes to the wrapped engine now). From "off": it joins the
         aligner's admission only if there is room now, its wrapped stream being open already;
         otherwise it fails with the refusal."""
+        self.note_mode(stream)
         if stream.mode == "off":
             if stream.ticket is not None:
                 self.admission.leave(stream.ticket)
@@ -407,6 +446,7 @@ class AlignedEngine:
             stream.ticket = self.admission.arrive(stream, stream.request.priority, max_wait_s=0.0)
         except Overloaded as exc:
             stream.refuse(exc)
+        self.note_mode(stream)
         self._count()
 
     def _batch_in_worker(self, busy_s: float, audio_s: float, jobs: int) -> None:

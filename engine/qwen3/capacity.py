@@ -8,6 +8,13 @@ of a frame, and within half the first-audio target (a new stream's first audio t
 steps: the one running when it comes, then its prompt's). While no step measured is over that,
 `initial_streams` are admitted whatever the curve has seen. Prompts wait for the token budget the
 decode rows leave: `starts` bounds how many streams may wait for their first audio at once.
+
+Streams whose audio waits for the aligner's words (engine.alignment, "sync") need more than real
+time: their audio goes out word by word as probes of each new chunk time it, so a listener holds
+only the words released so far until the next chunk's probe. Below about three times real time the
+first words' audio runs out before the next release comes (bench/sync_release_sim.py), so
+`sync_capacity` is the streams whose step stays within `SYNC_HEADROOM` of a frame, which the aligned
+engine's admission holds to while a sync stream is admitted.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from engine.admission import LoadCurve
 HEADROOM = 0.7  # a step's predicted time for the admitted streams, as a share of a frame's audio
 TTFA_TARGET_S = 0.15  # a new stream's first audio, from its admission
 INITIAL_STREAMS = 64  # admitted before the steps measured say more or fewer
+SYNC_HEADROOM = 1 / 3  # a step's predicted time for sync streams: three frames made a frame's time
 
 
 class StepCapacity:
@@ -49,17 +57,31 @@ class StepCapacity:
         else:
             self.prompt_positions += 0.1 * (positions - self.prompt_positions)
 
+    @property
+    def sync_limit_s(self) -> float:
+        return min(SYNC_HEADROOM * self.frame_s, self.limit_s)
+
     def capacity(self, upper: int) -> int:
-        limit = self.limit_s
+        return self._within(self.limit_s, upper)
+
+    def sync_capacity(self, upper: int) -> int:
+        """Streams whose step keeps sync streams' listeners fed (see the module)."""
+        return self._within(self.sync_limit_s, upper)
+
+    def _within(self, limit: float, upper: int) -> int:
         measured = self.curve.rows_within(limit, upper)
         if all(cost <= limit for _, cost in self.curve.curve()):
             return max(measured, min(self.initial_streams, upper))
         return measured
 
-    def figures(self, admitted: int) -> dict[str, float]:
+    def figures(self, admitted: int, upper: int) -> dict[str, float]:
         """What holds admission where it is: the step limit, and the step the curve predicts for
-        one stream more than `admitted` (absent past the curve's reach)."""
-        out = {"admission_step_limit_ms": 1000 * self.limit_s}
+        one stream more than `admitted` (absent past the curve's reach); and the streams kept at
+        the sync streams' pace (`upper` at most)."""
+        out = {
+            "admission_step_limit_ms": 1000 * self.limit_s,
+            "admission_sync_streams": float(self.sync_capacity(upper)),
+        }
         predicted = self.curve.predict(admitted + 1)
         if predicted is not None:
             out["admission_step_next_ms"] = 1000 * predicted

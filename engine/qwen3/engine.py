@@ -331,7 +331,7 @@ class Qwen3Engine:
             figures["ttfa_samples"] = float(s.ttfa_samples)
             figures["requests_finished"] = float(s.finished)
             figures.update(s.leads.snapshot(s.clock()))
-            figures.update(s.capacity.figures(len(s.admission.admitted)))
+            figures.update(s.capacity.figures(len(s.admission.admitted), s.config.codec_slots))
             return s.num_active, s.num_queued, figures, s.admission.figures()
 
         active, queued, kv, admission = self.core.run_locked(snapshot)  # type: ignore[misc]
