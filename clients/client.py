@@ -116,7 +116,9 @@ class Error:
     code: str
     message: str
     utterance_id: str | None = None
-    retry_after_ms: int | None = None  # overloaded: when a retry may be admitted
+    # overloaded, rate_limited: when a retry may be admitted; quota_exceeded: a hint; None: the
+    # server knows no time (text_too_long is never admitted as it is)
+    retry_after_ms: int | None = None
     # False: it refused one message about an utterance under way (an append past the limit, an
     # unpause of one not paused), and that utterance goes on to its Done
     ends_utterance: bool = True

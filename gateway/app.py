@@ -34,7 +34,7 @@ from gateway.compat import Compat, compat_routes
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
-from gateway.messages import encode
+from gateway.messages import ErrorMessage, encode
 from gateway.metrics import GatewayMetrics, admission_summary
 from gateway.quotas import QuotaError, Quotas
 from gateway.rest import make_speech_endpoint
@@ -158,7 +158,10 @@ class Gateway:
                 quotas.open_session(principal.key_id)
         except QuotaError as exc:
             self.metrics.errors.labels(exc.code).inc()  # sent here, not through a session's actions
-            await websocket.send_text(encode({"type": "error", "code": exc.code, "message": exc.message}))
+            error: ErrorMessage = {"type": "error", "code": exc.code, "message": exc.message}
+            if exc.retry_after_ms is not None:  # when to connect again (a hint: a count)
+                error["retry_after_ms"] = exc.retry_after_ms
+            await websocket.send_text(encode(error))
             await websocket.close(CLOSE_POLICY, exc.message[:120])
             return
         session = WebhookSession(
@@ -353,6 +356,7 @@ def create_app(
                 gateway.voice_aliases,
                 gateway.auth,
                 max_open_utterances=gateway.config.max_open_utterances,
+                max_text_chars=gateway.config.max_text_chars,
             )
         ),
         Mount("/web", StaticFiles(directory=WEB_DIR, check_dir=False), name="web"),  # the page's scripts

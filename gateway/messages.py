@@ -42,7 +42,7 @@ ErrorCode = Literal[
     "unknown_voice",
     "invalid_request",  # the engine refused the request's parameters
     "invalid_audio",
-    "text_too_long",
+    "text_too_long",  # past max_text_chars, or more than the key's whole characters per minute
     "unknown_utterance",
     "utterance_closed",  # text for an utterance that has ended or been interrupted
     "utterance_exists",  # speak.resume into an id already used
@@ -303,7 +303,8 @@ class ErrorMessage(TypedDict):
     code: ErrorCode
     message: str
     utterance_id: NotRequired[str]
-    retry_after_ms: NotRequired[int]  # overloaded: when a retry may be admitted
+    # overloaded, rate_limited: when a retry may be admitted; quota_exceeded for a key's count: a hint
+    retry_after_ms: NotRequired[int]
 
 
 class SessionEnded(TypedDict):

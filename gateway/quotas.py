@@ -1,9 +1,12 @@
 """Per-key quotas: open sessions, concurrent utterances, characters per minute (pure Python; the
-caller passes the time). Over a limit: `QuotaExceeded` (a count: retry when something finishes) or
-`RateLimited` (a rate: `retry_after_s` says when the budget allows the request)."""
+caller passes the time). Over a limit: `QuotaExceeded` (a count: retry when something finishes,
+which the server cannot foresee, so `retry_after_s` is a short hint), `RateLimited` (a rate:
+`retry_after_s` says when the budget allows the request) or `OverBudget` (text more than the whole
+budget, which no wait lets through: no `retry_after_s`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -12,6 +15,13 @@ from gateway.messages import ErrorCode, ProtocolError
 # error codes of the limits
 RATE_LIMITED: Final[ErrorCode] = "rate_limited"
 QUOTA_EXCEEDED: Final[ErrorCode] = "quota_exceeded"
+# text the whole budget cannot hold is refused as text too long: it is the request, not the
+# moment, that is wrong, and the code already tells clients not to retry as it is
+OVER_BUDGET: Final[ErrorCode] = "text_too_long"
+
+# when a count is full, one of the key's sessions or utterances (maybe another client's) has to
+# end first; the server cannot know when, so a client is told to look again this much later
+COUNT_RETRY_HINT_S: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,19 +36,53 @@ class QuotaLimits:
 
 
 class QuotaError(ProtocolError):
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: float, utterance_id: str | None = None):
+    """A refusal for a limit; `retry_after_s`: when a retry may be accepted (None: no wait helps)."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, retry_after_s: float | None, utterance_id: str | None = None
+    ) -> None:
         super().__init__(code, message, utterance_id)
         self.retry_after_s = retry_after_s
 
+    @property
+    def retry_after_ms(self) -> int | None:
+        """`retry_after_s` in whole ms, rounded up: a client that waits exactly this long is not
+        early (the inner round keeps float noise, 700.0000000001, from adding a millisecond)."""
+        if self.retry_after_s is None:
+            return None
+        return max(0, math.ceil(round(1000 * self.retry_after_s, 6)))
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """`Retry-After` in whole seconds, rounded up and at least 1 (HTTP has no fractions)."""
+        if self.retry_after_s is None:
+            return None
+        return str(max(1, math.ceil(round(self.retry_after_s, 6))))
+
 
 class QuotaExceeded(QuotaError):
-    def __init__(self, message: str, utterance_id: str | None = None) -> None:
-        super().__init__(QUOTA_EXCEEDED, message, 1.0, utterance_id)
+    def __init__(
+        self, message: str, utterance_id: str | None = None, retry_after_s: float | None = COUNT_RETRY_HINT_S
+    ) -> None:
+        super().__init__(QUOTA_EXCEEDED, message, retry_after_s, utterance_id)
 
 
 class RateLimited(QuotaError):
     def __init__(self, message: str, retry_after_s: float, utterance_id: str | None = None) -> None:
         super().__init__(RATE_LIMITED, message, retry_after_s, utterance_id)
+
+
+class OverBudget(QuotaError):
+    """Text more than the key's whole characters-per-minute budget: refused for good."""
+
+    def __init__(self, chars: int, per_minute: int, utterance_id: str | None = None) -> None:
+        super().__init__(
+            OVER_BUDGET,
+            f"{chars} characters are more than this key's whole budget of {per_minute} characters "
+            "per minute: send the text in smaller parts",
+            None,
+            utterance_id,
+        )
 
 
 @dataclass(slots=True)
@@ -89,17 +133,23 @@ class Quotas:
         usage.utterances = max(0, usage.utterances - 1)
         self._forget_if_idle(key_id, usage)
 
+    def check_fits(self, key_id: str, count: int, utterance_id: str | None = None) -> None:
+        """Raise OverBudget when `count` characters are more than the key's bucket ever holds."""
+        per_minute = self.limits_for(key_id).chars_per_minute
+        if count > per_minute:
+            raise OverBudget(count, per_minute, utterance_id)
+
     def take_chars(self, key_id: str, count: int, now: float, utterance_id: str | None = None) -> None:
-        """Spend `count` characters, or raise RateLimited without spending any."""
+        """Spend `count` characters, or raise RateLimited (or OverBudget) without spending any."""
+        self.check_fits(key_id, count, utterance_id)
         per_minute = self.limits_for(key_id).chars_per_minute
         usage = self._get(key_id)
         if usage.refilled_at is None:
             usage.chars, usage.refilled_at = float(per_minute), now
         usage.chars = min(float(per_minute), usage.chars + (now - usage.refilled_at) * per_minute / 60.0)
         usage.refilled_at = now
-        if count > per_minute:
-            raise RateLimited(f"at most {per_minute} characters per minute per key", 60.0, utterance_id)
         if count > usage.chars:
+            # the bucket refills at per_minute / 60 a second: the time until it holds `count`
             wait = (count - usage.chars) * 60.0 / per_minute
             raise RateLimited(
                 f"over {per_minute} characters per minute; retry in {wait:.1f} s", wait, utterance_id

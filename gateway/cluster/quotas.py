@@ -17,6 +17,10 @@ same moment can therefore pass a limit by what arrives within the propagation de
 Characters per minute. Each replica spends from a local token bucket; what it spent is sent to a
 shared bucket `{prefix}chars:{key_id}` (a Lua script, on Redis' clock) with the next write, and
 the shared level, which counts every replica's spending, comes back and lowers the local one.
+A refusal's `retry_after_s` is therefore when the local bucket, lowered that way, holds the request:
+it counts what the other replicas spent up to the last write, and what they spend after it may
+refuse the retry again (with a new time). Text over the key's whole budget is refused before any
+of this (gateway.quotas.OverBudget): it spends nothing here and reaches no shared bucket.
 
 While the store is unreachable (gateway.cluster.store), each replica enforces every limit on its
 own counts only: the cluster as a whole may then admit up to one limit per replica.

@@ -35,13 +35,19 @@ class Admission(ProtocolState):
         if voice is not None and self.voice_usable is not None and not self.voice_usable(voice):
             raise ProtocolError("unknown_voice", f"unknown voice {voice!r}", uid)
         if self.utterances_opened >= self.config.max_utterances_per_session:
+            # no retry hint: the count never goes down within this session
             raise QuotaExceeded(
-                f"at most {self.config.max_utterances_per_session} utterances per session", uid
+                f"at most {self.config.max_utterances_per_session} utterances per session",
+                uid,
+                retry_after_s=None,
             )
 
     def _take_quota(self, uid: str, text_chars: int, now: float) -> None:
         """Count a new utterance against the key (in progress, characters); raises when over."""
         if self.quotas is not None:
+            # text no budget can hold is refused before a busy count: a client told to retry in a
+            # second would only be refused for good then
+            self.quotas.check_fits(self.key_id, text_chars, uid)
             self.quotas.begin_utterance(self.key_id, uid)
             try:
                 self.quotas.take_chars(self.key_id, text_chars, now, uid)

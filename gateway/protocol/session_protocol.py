@@ -67,7 +67,7 @@ class SessionProtocol(EngineFeedback, Admission):
         try:
             out += self._dispatch(message, now)
         except ProtocolError as exc:
-            out.append(self._error(exc.code, exc.message, exc.utterance_id))
+            out.append(self._refusal(exc))
         return out
 
     def _dispatch(self, message: ClientMessage, now: float) -> list[Action]:

@@ -23,7 +23,7 @@ from gateway.auth import (
 )
 from gateway.config import GatewayConfig
 from gateway.protocol import OpenStream, SendControl, SessionProtocol
-from gateway.quotas import QuotaExceeded, QuotaLimits, Quotas, RateLimited
+from gateway.quotas import OverBudget, QuotaExceeded, QuotaLimits, Quotas, RateLimited
 from gateway.server import check_exposure, is_loopback
 from gateway.voices import ClipError, check_name, decode_clip
 from tests.fakes import FakeEngine
@@ -127,8 +127,8 @@ def test_quotas_count_sessions_utterances_and_characters() -> None:
         q.take_chars("k", 100, now=1.0)  # 10 chars refilled
     assert info.value.retry_after_s == pytest.approx(9.0)
     q.take_chars("k", 100, now=10.0)
-    with pytest.raises(RateLimited):
-        q.take_chars("k", 601, now=1000.0)  # never fits
+    with pytest.raises(OverBudget):
+        q.take_chars("k", 601, now=1000.0)  # never fits: not a rate refusal
 
 
 def _protocol(quotas: Quotas, **kw: object) -> SessionProtocol:
