@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -70,6 +70,11 @@ OPENAI_MODELS = (
 )
 NO_INSTRUCTIONS = ("tts-1", "tts-1-hd", "tts-1-1106", "tts-1-hd-1106")  # as OpenAI documents
 
+# a body up to this size is parsed on the event loop, where it takes microseconds (less than the
+# round trip to a thread); a larger one (a one-off clone's reference clip is megabytes of base64)
+# is parsed in a thread, so the loop that carries every session's audio does not wait on it
+INLINE_BODY_BYTES: Final = 16 * 1024
+
 
 class BadRequest(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
@@ -103,6 +108,17 @@ def error_response(
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers=headers
     )
+
+
+async def parse_json_body(raw: bytes | str) -> object:
+    """`raw` as JSON, off the event loop when it is over INLINE_BODY_BYTES. Raises ValueError when
+    it is not JSON, nesting too deep for the parser included."""
+    try:
+        if len(raw) <= INLINE_BODY_BYTES:
+            return json.loads(raw)
+        return await asyncio.to_thread(json.loads, raw)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply") from None
 
 
 def _optional_text(body: dict[str, Any], name: str) -> str | None:
@@ -271,6 +287,8 @@ class _QuotaHold:
     def take(self, chars: int) -> None:
         if self.quotas is None:
             return
+        # text no budget can hold is refused before a busy count, whose 429 would invite a retry
+        self.quotas.check_fits(self.key_id, chars)
         self.quotas.begin_utterance(self.key_id)
         self.held = True
         try:
@@ -312,7 +330,7 @@ def make_speech_endpoint(
         if raw is None:
             return fail(413, "text_too_long", "request body too large")
         try:
-            body = json.loads(raw)
+            body = await parse_json_body(raw)
         except ValueError:
             return fail(400, "invalid_message", "the body is not valid JSON")
         principal = principal_of(request)
@@ -327,7 +345,7 @@ def make_speech_endpoint(
                     asyncio.to_thread(parse_speech_request, body, config, engine.info, aliases),
                     config.voice_decode_timeout_s,
                 )
-            else:
+            else:  # no clip: nothing in it costs the loop more than its JSON did
                 req = parse_speech_request(body, config, engine.info, aliases)
         except BadRequest as exc:
             return fail(400, exc.code, exc.message)
@@ -342,9 +360,9 @@ def make_speech_endpoint(
         try:
             hold.take(len(req.input))
         except QuotaError as exc:
-            return fail(
-                429, exc.code, exc.message, {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-            )
+            if exc.retry_after_header is None:  # no wait lets it through (text over the whole budget)
+                return fail(400, exc.code, exc.message)
+            return fail(429, exc.code, exc.message, {"Retry-After": exc.retry_after_header})
         try:
             response = await _speak(request, req, hold)
         except BaseException:

@@ -48,6 +48,8 @@ class Compat:
     # the native sessions' max_open_utterances (GatewayConfig): a dialect that queues utterances
     # opens no more than this many at once on one native session
     max_open_utterances: int = 8
+    # the native sessions' max_text_chars (GatewayConfig): what an utterance's text may hold
+    max_text_chars: int = 20_000
 
     @property
     def engine(self) -> EngineInfo:

@@ -16,6 +16,7 @@ Credentials: `X-API-Key`, `Authorization: Bearer`, `?api_key=`, `?access_token=`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,11 @@ ENCODINGS: Final = {
     "pcm_alaw": "alaw",
 }
 BYTES_PER_SAMPLE: Final = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
+
+# a client frame up to this size is parsed on the event loop, where it takes microseconds (less
+# than the round trip to a thread); a larger one (max_message_bytes may admit megabytes) is parsed
+# in a thread, so the loop that carries every session's audio does not wait on it
+INLINE_FRAME_CHARS: Final = 16 * 1024
 
 
 class RequestError(Exception):
@@ -145,7 +151,11 @@ class CartesiaSocket(DialectSocket):
 
     # -- client -> native --------------------------------------------------------------------
     async def on_text(self, text: str) -> None:
-        request = parse_object(text)
+        request = (
+            parse_object(text)
+            if len(text) <= INLINE_FRAME_CHARS
+            else await asyncio.to_thread(parse_object, text)
+        )
         if request is None:
             await self.error("invalid_request", "a message is a JSON object")
             return

@@ -18,6 +18,8 @@ with the engine's voices. Errors: `{"type": "error", "message"}`. A native error
 message and leaves its utterance going (`text_too_long` on a later `input.text`; gateway.messages'
 MESSAGE_REFUSED_CODES) is one such error, with its `code`, in that utterance's turn, and the
 utterance goes on; one that refuses the utterance's opening, or an engine failure, fails it.
+`audio.start`'s `sentence_text` is the utterance's text as far as it has come, less any refused
+`input.text`; an utterance that failed before any of its audio names none.
 
 vLLM-Omni serves a connection's utterances in turn however many the client sends ahead, so the
 native session's limit on open utterances stays inside: at most that many are open on it, the rest
@@ -48,6 +50,13 @@ CONFIG_TIMEOUT_S: Final = 10.0
 # the audio made before its turn, so the bound keeps one client from holding the server's memory
 MAX_QUEUED_UTTERANCES: Final = 256
 KNOWN_TASKS: Final = ("CustomVoice", "VoiceDesign", "Base")
+# the native refusals of one input.text while its utterance goes on (the rest of it is spoken)
+TEXT_REFUSALS: Final = frozenset({"text_too_long", "rate_limited", "utterance_closed"})
+
+# a client frame up to this size is parsed on the event loop, where it takes microseconds (less
+# than the round trip to a thread); a larger one (max_message_bytes may admit megabytes) is parsed
+# in a thread, so the loop that carries every session's audio does not wait on it
+INLINE_FRAME_CHARS: Final = 16 * 1024
 
 
 class ConfigError(Exception):
@@ -123,7 +132,10 @@ class _Utterance:
     config: Config
     link: NativeLink | None  # None: an empty input.done (a keep-alive)
     utterance_id: str = ""
-    text: str = ""
+    # its input.text pieces in order (the opening one with the blanks before it), and which of them
+    # the native session refused: `sentence_text` is the others
+    pieces: list[str] = field(default_factory=list)
+    refused: set[int] = field(default_factory=set)
     # its opening speak.append went to the native session; the messages after it wait in `pending`
     # until `admitted` (utterance.started), so that an error before then can only be the refusal of
     # the opening, and nothing of a refused utterance opens a native one the queue does not count
@@ -179,7 +191,11 @@ class VllmOmniSocket(DialectSocket):
     async def on_text(self, text: str) -> None:
         if self._close_requested:
             return  # vLLM-Omni reads nothing after session.close
-        message = parse_object(text)
+        message = (
+            parse_object(text)
+            if len(text) <= INLINE_FRAME_CHARS
+            else await asyncio.to_thread(parse_object, text)
+        )
         if message is None:
             await self.error("Invalid JSON message")
             return
@@ -208,7 +224,7 @@ class VllmOmniSocket(DialectSocket):
             await self.error(f"Unknown message type: {str(kind)[:40]}")
 
     async def _configure(self, message: dict[str, Any]) -> None:
-        if self.current is not None and self.current.text:
+        if self.current is not None and self.current.pieces:
             await self.error(
                 "session.config cannot be applied while an utterance is in progress; send input.done first"
             )
@@ -254,7 +270,7 @@ class VllmOmniSocket(DialectSocket):
             if utt.failed is None and piece.strip():
                 await self._refuse_closed(utt)
             return
-        utt.text += piece
+        utt.pieces.append(piece)
         self._speak(utt, {"type": "speak.append", "utterance_id": utt.utterance_id, "text": piece})
         if not utt.opened:
             self._open_waiting()
@@ -405,9 +421,11 @@ class VllmOmniSocket(DialectSocket):
         a message it refuses: `{"type": "error", "message"}` (here with the native `code`)."""
         if utt.failed is not None:
             return  # its failure is what the client hears
-        code = str(message.get("code"))
+        code, text = str(message.get("code")), str(message.get("message"))
         if utt.done or (utt.admitted and code in MESSAGE_REFUSED_CODES):
-            utt.refusals.append({"type": "error", "code": code, "message": str(message.get("message"))})
+            utt.refusals.append({"type": "error", "code": code, "message": text})
+            if code in TEXT_REFUSALS:
+                _refuse_piece(utt, code, self.compat.max_text_chars)
             return
         self._fail(utt, str(message.get("message")))
         self._open_waiting()
@@ -477,7 +495,7 @@ class VllmOmniSocket(DialectSocket):
                 "type": "audio.start",
                 "utterance_index": utt.index,
                 "sentence_index": 0,
-                "sentence_text": utt.text.strip(),
+                "sentence_text": _sentence_text(utt),
                 "format": utt.config.response_format,
                 "sample_rate": utt.config.sample_rate,
                 "channels": 1,
@@ -545,6 +563,35 @@ class VllmOmniSocket(DialectSocket):
         for utt in self.queue:
             if utt.encoder is not None:
                 utt.encoder.close()
+
+
+def _refuse_piece(utt: _Utterance, code: str, max_text_chars: int) -> None:
+    """Mark the input.text piece of `utt` that a native refusal is about. The native session takes
+    an utterance's pieces in order and refuses each on its own, but its refusal does not say which
+    one, and more of them may have gone on before it comes back. Past max_text_chars it is the first
+    piece that does not fit beside the ones taken before it, as the session applies that limit;
+    otherwise (the key's characters per minute, the native text timeout) it is the
+    latest piece not yet marked: the native text timeout refuses every piece after its own, and a
+    refused piece is the latest unless the client's next one went on before the refusal came back."""
+    left = [i for i in range(len(utt.pieces)) if i not in utt.refused]
+    if not left:
+        return
+    if code == "text_too_long":
+        taken = 0
+        for i in left:
+            if taken + len(utt.pieces[i]) > max_text_chars:
+                utt.refused.add(i)
+                return
+            taken += len(utt.pieces[i])
+    utt.refused.add(left[-1])
+
+
+def _sentence_text(utt: _Utterance) -> str:
+    """The text synthesised for `utt`: its pieces less the refused ones, or none when it failed
+    before any of its audio came (its opening refused, or its native session gone)."""
+    if utt.failed is not None and not utt.held:
+        return ""
+    return "".join(p for i, p in enumerate(utt.pieces) if i not in utt.refused).strip()
 
 
 class VllmOmniEndpoints:

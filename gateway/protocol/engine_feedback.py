@@ -75,12 +75,17 @@ class EngineFeedback(Fences):
                         }
                     )
                 )
-        samples = chunk.samples  # float32, or int16 PCM (the packetiser takes either)
-        if samples.dtype != np.int16 and not is_mono_float32(samples):
+        # float32, or int16 PCM (the packetiser takes either), made 1-D whichever it is: the
+        # timeline below counts samples with len(), which counts rows of a (1, n) or (n, 1) array
+        samples = chunk.samples
+        if samples.dtype == np.int16:
+            if samples.ndim != 1:
+                samples = samples.reshape(-1)
+        elif not is_mono_float32(samples):
             samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         gap = chunk.sample_offset - utt.engine_samples
         if gap > 0:  # the engine skipped samples: keep the timeline with silence
-            samples = np.concatenate((np.zeros(gap, dtype=samples.dtype), samples.reshape(-1)))
+            samples = np.concatenate((np.zeros(gap, dtype=samples.dtype), samples))
         elif gap < 0:  # overlap with audio already sent: drop the repeated part
             samples = samples[min(-gap, len(samples)) :]
         utt.engine_samples += len(samples)
