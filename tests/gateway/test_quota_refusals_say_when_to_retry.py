@@ -10,36 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any
 
 import httpx
 import pytest
-from websockets.exceptions import ConnectionClosed
 
 from gateway.config import GatewayConfig
-from gateway.protocol import OpenStream, SendControl, SessionProtocol
 from gateway.quotas import QuotaExceeded, QuotaLimits, Quotas, RateLimited
 from tests.fakes import FakeEngine
+from tests.gateway.quota_session import append, errors, opened, quota_protocol
 from tests.integration.conftest import run_gateway
 from tests.integration.wsclient import Client, connect
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _protocol(quotas: Quotas, **config: Any) -> SessionProtocol:
-    return SessionProtocol("s", FakeEngine().info, GatewayConfig(**config), key_id="k", quotas=quotas)
-
-
-def _append(uid: str, text: str) -> str:
-    return json.dumps({"type": "speak.append", "utterance_id": uid, "text": text})
-
-
-def _errors(actions: list[Any]) -> list[Any]:
-    return [a.message for a in actions if isinstance(a, SendControl) and a.message["type"] == "error"]
-
-
-def _opened(actions: list[Any]) -> bool:
-    return any(isinstance(a, OpenStream) for a in actions)
 
 
 # -- the budget's arithmetic ------------------------------------------------------------------
@@ -72,53 +54,53 @@ def test_a_count_quota_gives_a_one_second_hint() -> None:
 
 def test_a_rate_limited_append_carries_retry_after_ms_and_succeeds_when_retried_then() -> None:
     quotas = Quotas(QuotaLimits(chars_per_minute=600))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x" * 590), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x" * 590), 0.0))
     p.open_succeeded("a")
-    (refused,) = _errors(p.receive_text(_append("a", "y" * 40), 0.5))
+    (refused,) = errors(p.receive_text(append("a", "y" * 40), 0.5))
     assert refused["code"] == "rate_limited" and refused["utterance_id"] == "a"
     assert refused["retry_after_ms"] == 2500
-    (early,) = _errors(p.receive_text(_append("a", "y" * 40), 2.9))
+    (early,) = errors(p.receive_text(append("a", "y" * 40), 2.9))
     assert early["code"] == "rate_limited" and 0 < early["retry_after_ms"] <= 100
-    assert _errors(p.receive_text(_append("a", "y" * 40), 0.5 + refused["retry_after_ms"] / 1000)) == []
+    assert errors(p.receive_text(append("a", "y" * 40), 0.5 + refused["retry_after_ms"] / 1000)) == []
 
 
 def test_a_refused_new_utterance_carries_retry_after_ms_and_gives_its_slot_back() -> None:
     quotas = Quotas(QuotaLimits(chars_per_minute=600))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x" * 600), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x" * 600), 0.0))
     p.open_succeeded("a")
-    (refused,) = _errors(p.receive_text(_append("b", "y" * 7), 0.0))
+    (refused,) = errors(p.receive_text(append("b", "y" * 7), 0.0))
     assert refused["code"] == "rate_limited" and refused["utterance_id"] == "b"
     assert refused["retry_after_ms"] == 700
     assert quotas.usage("k") == (0, 1)  # "a" only
-    assert _opened(p.receive_text(_append("b", "y" * 7), 0.7))
+    assert opened(p.receive_text(append("b", "y" * 7), 0.7))
 
 
 def test_a_hint_never_asks_for_a_retry_that_comes_too_early() -> None:
     """The hint is rounded up to the millisecond: a client that waits exactly that long is in."""
     quotas = Quotas(QuotaLimits(chars_per_minute=7))  # 60/7 s per character: no whole ms
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x" * 7), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x" * 7), 0.0))
     p.open_succeeded("a")
-    (refused,) = _errors(p.receive_text(_append("a", "y"), 0.0))
+    (refused,) = errors(p.receive_text(append("a", "y"), 0.0))
     assert refused["retry_after_ms"] == math.ceil(60_000 / 7)
-    assert _errors(p.receive_text(_append("a", "y"), refused["retry_after_ms"] / 1000)) == []
+    assert errors(p.receive_text(append("a", "y"), refused["retry_after_ms"] / 1000)) == []
 
 
 def test_the_key_utterance_cap_hints_and_the_session_lifetime_cap_does_not() -> None:
     quotas = Quotas(QuotaLimits(utterances=1))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x"), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x"), 0.0))
     p.open_succeeded("a")
-    (busy,) = _errors(p.receive_text(_append("b", "x"), 0.0))
+    (busy,) = errors(p.receive_text(append("b", "x"), 0.0))
     assert busy["code"] == "quota_exceeded" and busy["retry_after_ms"] == 1000
     # the session's own lifetime cap never frees within the session: no time to wait for
-    p = _protocol(Quotas(), max_utterances_per_session=1)
-    assert _opened(p.receive_text(_append("a", "x"), 0.0))
+    p = quota_protocol(Quotas(), max_utterances_per_session=1)
+    assert opened(p.receive_text(append("a", "x"), 0.0))
     p.open_succeeded("a")
     p.receive_text(json.dumps({"type": "speak.cancel", "utterance_id": "a"}), 0.0)
-    (spent,) = _errors(p.receive_text(_append("b", "x"), 0.0))
+    (spent,) = errors(p.receive_text(append("b", "x"), 0.0))
     assert spent["code"] == "quota_exceeded" and "retry_after_ms" not in spent
 
 
@@ -141,16 +123,6 @@ async def test_over_the_wire_a_client_that_waits_retry_after_ms_is_admitted() ->
             await asyncio.sleep(refused["retry_after_ms"] / 1000)
             await c.send(type="speak.append", utterance_id="u2", text="hello")
             assert (await c.until("utterance.started", "u2"))["utterance_id"] == "u2"
-
-
-async def test_over_the_wire_a_session_refused_for_the_key_session_cap_has_a_hint() -> None:
-    config = GatewayConfig(quota_limits=QuotaLimits(sessions=1), quota_anonymous=True)
-    with run_gateway(FakeEngine(), config) as gw:
-        async with connect(gw.ws), connect(gw.ws) as refused:
-            error = json.loads(await asyncio.wait_for(refused.recv(), 5))
-            with pytest.raises(ConnectionClosed):
-                await asyncio.wait_for(refused.recv(), 5)
-        assert error["code"] == "quota_exceeded" and error["retry_after_ms"] == 1000
 
 
 async def test_over_rest_rate_limited_is_429_with_retry_after_in_whole_seconds_rounded_up() -> None:

@@ -33,6 +33,7 @@ async def test_a_session_over_the_key_quota_is_counted_in_the_errors() -> None:
             with pytest.raises(ConnectionClosed):
                 await asyncio.wait_for(refused.recv(), 5)
             assert error["code"] == "quota_exceeded" and refused.close_code == 1008
+            assert error["retry_after_ms"] == 1000  # a count: a hint to look again, not a promise
             async with httpx.AsyncClient(base_url=gw.http) as http:
                 page = (await http.get("/metrics")).text
         assert _errors(page, "quota_exceeded") == 1.0

@@ -6,35 +6,18 @@ utterance slot. Sans-I/O first, then over real uvicorn on loopback (WebSocket an
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import httpx
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.protocol import OpenStream, SendControl, SessionProtocol
 from gateway.quotas import QuotaError, QuotaLimits, Quotas, RateLimited
 from tests.fakes import FakeEngine
+from tests.gateway.quota_session import append, errors, opened, quota_protocol
 from tests.integration.conftest import run_gateway
 from tests.integration.wsclient import Client, connect
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _protocol(quotas: Quotas, **config: Any) -> SessionProtocol:
-    return SessionProtocol("s", FakeEngine().info, GatewayConfig(**config), key_id="k", quotas=quotas)
-
-
-def _append(uid: str, text: str) -> str:
-    return json.dumps({"type": "speak.append", "utterance_id": uid, "text": text})
-
-
-def _errors(actions: list[Any]) -> list[Any]:
-    return [a.message for a in actions if isinstance(a, SendControl) and a.message["type"] == "error"]
-
-
-def _opened(actions: list[Any]) -> bool:
-    return any(isinstance(a, OpenStream) for a in actions)
 
 
 def test_the_budget_refuses_such_text_as_too_long_without_a_retry_time() -> None:
@@ -57,24 +40,24 @@ def test_a_key_with_its_own_smaller_budget_is_held_to_it() -> None:
 
 def test_a_new_utterance_over_the_budget_is_too_long_and_holds_nothing() -> None:
     quotas = Quotas(QuotaLimits(chars_per_minute=100))
-    p = _protocol(quotas)
-    out = p.receive_text(_append("a", "x" * 101), 0.0)
-    (refused,) = _errors(out)
-    assert not _opened(out)
+    p = quota_protocol(quotas)
+    out = p.receive_text(append("a", "x" * 101), 0.0)
+    (refused,) = errors(out)
+    assert not opened(out)
     assert refused["code"] == "text_too_long" and refused["utterance_id"] == "a"
     assert "retry_after_ms" not in refused and "per minute" in refused["message"]
     assert quotas.usage("k") == (0, 0)
-    assert _opened(p.receive_text(_append("a", "x" * 100), 0.0))  # the whole budget was still there
+    assert opened(p.receive_text(append("a", "x" * 100), 0.0))  # the whole budget was still there
 
 
 def test_an_append_over_the_budget_is_refused_and_the_utterance_goes_on() -> None:
     quotas = Quotas(QuotaLimits(chars_per_minute=100))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "hello "), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "hello "), 0.0))
     p.open_succeeded("a")
-    (refused,) = _errors(p.receive_text(_append("a", "y" * 101), 0.0))
+    (refused,) = errors(p.receive_text(append("a", "y" * 101), 0.0))
     assert refused["code"] == "text_too_long" and "retry_after_ms" not in refused
-    assert _errors(p.receive_text(_append("a", "world"), 0.0)) == []
+    assert errors(p.receive_text(append("a", "world"), 0.0)) == []
     assert p.utterance("a").text == "hello world"  # type: ignore[union-attr]
 
 
@@ -82,23 +65,23 @@ def test_the_permanent_refusal_comes_before_a_busy_one() -> None:
     """With the key's utterance cap reached too, the client learns the text can never pass,
     rather than being told to retry in a second only to be refused for good then."""
     quotas = Quotas(QuotaLimits(utterances=1, chars_per_minute=100))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x"), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x"), 0.0))
     p.open_succeeded("a")
-    (refused,) = _errors(p.receive_text(_append("b", "y" * 101), 0.0))
+    (refused,) = errors(p.receive_text(append("b", "y" * 101), 0.0))
     assert refused["code"] == "text_too_long" and "retry_after_ms" not in refused
     assert quotas.usage("k") == (0, 1)
 
 
 def test_a_resume_whose_unspoken_text_is_over_the_budget_is_too_long() -> None:
     quotas = Quotas(QuotaLimits(chars_per_minute=100))
-    p = _protocol(quotas)
-    assert _opened(p.receive_text(_append("a", "x" * 60), 0.0))
+    p = quota_protocol(quotas)
+    assert opened(p.receive_text(append("a", "x" * 60), 0.0))
     p.open_succeeded("a")
     p.receive_text(json.dumps({"type": "speak.cancel", "utterance_id": "a"}), 0.0)
     quotas.limits = QuotaLimits(chars_per_minute=50)  # the key's budget shrank meanwhile
     resume = json.dumps({"type": "speak.resume", "utterance_id": "b", "from_utterance": "a"})
-    (refused,) = _errors(p.receive_text(resume, 100.0))
+    (refused,) = errors(p.receive_text(resume, 100.0))
     assert refused["code"] == "text_too_long" and "retry_after_ms" not in refused
     assert quotas.usage("k") == (0, 0)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,14 +24,6 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not tools_available(), reason="needs redis-server (scripts/test installs it)"),
 ]
-
-
-@pytest.fixture
-async def stores(redis_server: Cluster) -> AsyncIterator[list[Store]]:
-    made = [Store(redis_server.redis_url, probe_s=0.05) for _ in range(2)]
-    yield made
-    for store in made:
-        await store.close()
 
 
 def _session(quotas: SharedQuotas, key_id: str = "k") -> SessionProtocol:

@@ -9,7 +9,6 @@ import asyncio
 import io
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,6 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not tools_available(), reason="needs redis-server (scripts/test installs it)"),
 ]
-
-
-@pytest.fixture
-async def stores(redis_server: Cluster) -> AsyncIterator[list[Store]]:
-    made = [Store(redis_server.redis_url, probe_s=0.05) for _ in range(2)]
-    yield made
-    for store in made:
-        await store.close()
 
 
 def connections_taken(store: Store) -> list[int]:

@@ -19,17 +19,18 @@ from clients.client import MESSAGE_REFUSED_CODES as CLIENT_REFUSED_CODES
 from gateway.config import GatewayConfig
 from gateway.messages import MESSAGE_REFUSED_CODES
 from tests.fakes import FakeEngine
-from tests.gateway.compat.vllm_omni_wire import CONFIG, pcm_bytes, per_utterance, until_sessions_done, url
+from tests.gateway.compat.vllm_omni_wire import (
+    CONFIG,
+    pcm_bytes,
+    per_utterance,
+    send_text,
+    sentence_texts,
+    until_sessions_done,
+    url,
+)
 from tests.integration.conftest import run_gateway
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def send_text(ws: websockets.ClientConnection, *pieces: str, done: bool = True) -> None:
-    for piece in pieces:
-        await ws.send(json.dumps({"type": "input.text", "text": piece}))
-    if done:
-        await ws.send(json.dumps({"type": "input.done"}))
 
 
 def errors(got: list[dict[str, Any] | int]) -> list[dict[str, Any]]:
@@ -116,6 +117,7 @@ async def test_a_native_session_that_ends_fails_what_it_held_and_the_queue_goes_
             await send_text(ws, big)
             await send_text(ws, second)
             got = await until_sessions_done(ws, 2, 8)
+            assert sentence_texts(got) == {0: "", 1: second}  # the failed one was never spoken
             await ws.send(json.dumps({"type": "voice.list"}))
             assert json.loads(await asyncio.wait_for(ws.recv(), 5))["type"] == "voice.list"
     assert per_utterance(got) == [(0, 0, True), (1, pcm_bytes(second), False)]

@@ -3,36 +3,28 @@ engine was given, over real uvicorn and a plain WebSocket client. An `input.text
 session refuses (past `max_text_chars`) is not in it, whether the refusal comes back before the
 utterance's next text goes on or after (text released at once when a queued utterance is
 admitted), and an utterance that failed before any audio (its opening refused, its native session
-closed under it) names no text."""
+closed under it) names no text (test_vllm_omni_refusals: the native session closing)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import websockets
 
 from gateway.config import GatewayConfig
 from tests.fakes import FakeEngine
-from tests.gateway.compat.vllm_omni_wire import CONFIG, per_utterance, until_sessions_done, url
+from tests.gateway.compat.vllm_omni_wire import (
+    CONFIG,
+    per_utterance,
+    send_text,
+    sentence_texts,
+    until_sessions_done,
+    url,
+)
 from tests.integration.conftest import run_gateway
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def send_text(ws: websockets.ClientConnection, *pieces: str) -> None:
-    for piece in pieces:
-        await ws.send(json.dumps({"type": "input.text", "text": piece}))
-    await ws.send(json.dumps({"type": "input.done"}))
-
-
-def sentence_texts(got: list[dict[str, Any] | int]) -> dict[int, str]:
-    return {
-        m["utterance_index"]: m["sentence_text"]
-        for m in got
-        if isinstance(m, dict) and m["type"] == "audio.start"
-    }
 
 
 def spoken(engine: FakeEngine) -> list[str]:
@@ -83,21 +75,3 @@ async def test_an_utterance_whose_opening_is_refused_names_no_text() -> None:
     assert [(index, failed) for index, _, failed in per_utterance(got)] == [(0, False), (1, True), (2, False)]
     assert spoken(engine) == [first, third]
     assert sentence_texts(got) == {0: first, 1: "", 2: third}
-
-
-async def test_an_utterance_failed_by_its_native_session_closing_names_no_text() -> None:
-    """An input.text within the socket's limit that is over it once forwarded closes the native
-    session (1009) before any of it is spoken."""
-    engine = FakeEngine(step_s=0.005)
-    config = GatewayConfig(max_open_utterances=1)
-    frame = json.dumps({"type": "input.text", "text": ""})
-    big = "a " * ((config.max_message_bytes - len(frame)) // 2)
-    second = "After the big one."
-    with run_gateway(engine, config) as g:
-        async with websockets.connect(url(g), max_size=None) as ws:
-            await ws.send(json.dumps(CONFIG))
-            await send_text(ws, big)
-            await send_text(ws, second)
-            got = await until_sessions_done(ws, 2, 8)
-    assert [(index, failed) for index, _, failed in per_utterance(got)] == [(0, True), (1, False)]
-    assert sentence_texts(got) == {0: "", 1: second}

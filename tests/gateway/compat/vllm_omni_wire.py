@@ -1,5 +1,6 @@
 """What the vLLM-Omni dialect's wire tests share: the session config, the fake engine's PCM length
-for a text, and reading a connection's messages up to its n-th `session.done`."""
+for a text, sending an utterance's text, and reading a connection's messages up to its n-th
+`session.done` (and the sentence each `audio.start` names)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,20 @@ def per_utterance(got: list[dict[str, Any] | int]) -> list[tuple[int, int, bool]
             assert item["utterance_index"] == index and item["total_bytes"] == pcm
             out.append((index, pcm, item["error"]))
     return out
+
+
+async def send_text(ws: websockets.ClientConnection, *pieces: str, done: bool = True) -> None:
+    """Each piece as an `input.text`, then (with `done`) the utterance's `input.done`."""
+    for piece in pieces:
+        await ws.send(json.dumps({"type": "input.text", "text": piece}))
+    if done:
+        await ws.send(json.dumps({"type": "input.done"}))
+
+
+def sentence_texts(got: list[dict[str, Any] | int]) -> dict[int, str]:
+    """Each utterance's `sentence_text`, by its index."""
+    return {
+        m["utterance_index"]: m["sentence_text"]
+        for m in got
+        if isinstance(m, dict) and m["type"] == "audio.start"
+    }
