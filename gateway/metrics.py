@@ -77,12 +77,8 @@ class GatewayMetrics:
             "cadence_session_queue_bytes_max", "Bytes queued to send, the fullest session", registry=r
         )
         self.event_loop_tasks = Gauge("cadence_event_loop_tasks", "asyncio tasks alive", registry=r)
-        self.engine_figure = Gauge(
-            "cadence_engine_figure", "Engine-specific load figures (EngineLoad.extra)", ["name"], registry=r
-        )
-        self.gpu_memory_peak = Gauge(
-            "cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine", registry=r
-        )
+        self.figures: dict[str, float] = {}  # the engine's EngineLoad.extra, at the last observe_engine
+        r.register(_EngineFigureCollector(self))
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
 
     def watch_gc(self, pauses: GcPauses) -> None:
@@ -104,10 +100,7 @@ class GatewayMetrics:
         self.engine_active.set(load.active)
         self.engine_queue_depth.set(load.queued)
         self.engine_capacity.set(load.capacity)
-        for name, value in load.extra.items():
-            self.engine_figure.labels(name=name).set(value)
-        if "gpu_memory_peak_bytes" in load.extra:
-            self.gpu_memory_peak.set(load.extra["gpu_memory_peak_bytes"])
+        self.figures = dict(load.extra)
 
     def observe_sessions(self, queued_bytes: list[int], tasks: int) -> None:
         self.session_queue_bytes.set(sum(queued_bytes))
@@ -215,6 +208,30 @@ class _AdmissionCollector(Collector):
         bounds = [*(repr(b) for b in figures.wait_bounds_s), "+Inf"]
         histogram.add_metric([], list(zip(bounds, figures.wait_counts, strict=True)), figures.wait_sum_s)
         yield histogram
+
+
+class _EngineFigureCollector(Collector):
+    """The engine's figures (EngineLoad.extra) as they were at the last observe_engine. Read, not
+    set on labelled gauges: a figure the engine no longer reports (a worker restarted, a percentile
+    with no samples left, one present only under load) must leave /metrics rather than repeat its
+    last value as if current."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        figures = self.metrics.figures
+        family = GaugeMetricFamily(
+            "cadence_engine_figure", "Engine-specific load figures (EngineLoad.extra)", labels=["name"]
+        )
+        for name, value in figures.items():
+            family.add_metric([name], value)
+        yield family
+        peak = figures.get("gpu_memory_peak_bytes")
+        if peak is not None:  # absent, not 0, from an engine that reports no GPU memory
+            yield GaugeMetricFamily(
+                "cadence_gpu_memory_peak_bytes", "Peak GPU memory allocated by the engine", value=peak
+            )
 
 
 class _GcPauseCollector(Collector):

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,7 @@ from engine.api import (
     float_samples,
 )
 from gateway.auth import Principal, principal_of
+from gateway.bodies import parse_json_body
 from gateway.compat.encoding import CONTAINERS, MEDIA_TYPES, OPUS_RATES, Container, StreamEncoder
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
@@ -69,11 +70,6 @@ OPENAI_MODELS = (
     "gpt-4o-mini-tts-2025-12-15",
 )
 NO_INSTRUCTIONS = ("tts-1", "tts-1-hd", "tts-1-1106", "tts-1-hd-1106")  # as OpenAI documents
-
-# a body up to this size is parsed on the event loop, where it takes microseconds (less than the
-# round trip to a thread); a larger one (a one-off clone's reference clip is megabytes of base64)
-# is parsed in a thread, so the loop that carries every session's audio does not wait on it
-INLINE_BODY_BYTES: Final = 16 * 1024
 
 
 class BadRequest(Exception):
@@ -108,17 +104,6 @@ def error_response(
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}, status, headers=headers
     )
-
-
-async def parse_json_body(raw: bytes | str) -> object:
-    """`raw` as JSON, off the event loop when it is over INLINE_BODY_BYTES. Raises ValueError when
-    it is not JSON, nesting too deep for the parser included."""
-    try:
-        if len(raw) <= INLINE_BODY_BYTES:
-            return json.loads(raw)
-        return await asyncio.to_thread(json.loads, raw)
-    except RecursionError:
-        raise ValueError("the JSON nests too deeply") from None
 
 
 def _optional_text(body: dict[str, Any], name: str) -> str | None:

@@ -2,10 +2,12 @@
 voice id usable wherever a voice is named.
 
 POST takes either a JSON body `{"name", "text", "audio": <base64 file>}` or the audio file itself
-as the body with `?name=&text=` in the query. The upload is size-limited before it is read whole,
-its header is checked before decoding (sample rate, channels, length), it is decoded with soundfile
-off the event loop within `voice_decode_timeout_s`, and every bad clip gets a 400 that says what to
-fix: unreadable, empty, absurd sample rate, more than two channels, under 1 s, over 30 s, NaN or
+as the body with `?name=&text=` in the query (multipart forms are not taken). The upload is
+size-limited before it is read whole. A large JSON body is parsed (gateway.bodies)
+and its clip's base64 decoded off the event loop, since megabytes of either would hold up every
+stream. The clip's header is checked before decoding (sample rate, channels, length), it is decoded
+with soundfile off the event loop within `voice_decode_timeout_s`, and every bad clip gets a 400
+that says what to fix: unreadable, empty, absurd sample rate, more than two channels, under 1 s, over 30 s, NaN or
 infinite samples, silence. Stereo is mixed to mono.
 
 Ids are made by the server (`v_` + 16 hex digits): nothing the client sends reaches a path. Names
@@ -41,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.api import Engine, EngineError
 from gateway.auth import principal_of
+from gateway.bodies import off_loop_if_large, parse_json_body
 from gateway.config import GatewayConfig
 
 log = logging.getLogger("cadence.voices")
@@ -280,7 +283,7 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
                 413, "invalid_audio", f"uploads are limited to {config.max_voice_upload_bytes} bytes"
             )
         try:
-            name, text, data = _parse_upload(request, body, config.max_voice_upload_bytes)
+            name, text, data = await _parse_upload(request, body, config.max_voice_upload_bytes)
             voice, refusal = await registry.add(owner, name, text, data)
         except ClipError as exc:
             code = "invalid_message" if str(exc).startswith("`") else "invalid_audio"
@@ -312,20 +315,24 @@ def make_voice_endpoints(registry: VoiceRegistry) -> tuple[Callable[[Request], A
     return collection, item
 
 
-def _parse_upload(request: Request, body: bytes, limit: int) -> tuple[str, str | None, bytes]:
+def _b64decode(encoded: str) -> bytes:
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ClipError("`audio` is not valid base64") from None
+
+
+async def _parse_upload(request: Request, body: bytes, limit: int) -> tuple[str, str | None, bytes]:
     if request.headers.get("content-type", "").startswith("application/json"):
         try:
-            fields = json.loads(body)
+            fields = await parse_json_body(body)
         except ValueError:
             raise ClipError("`body`: not valid JSON") from None
         if not isinstance(fields, dict) or not isinstance(fields.get("audio"), str):
             raise ClipError("`audio` (the clip file, base64) is required")
-        try:
-            data = base64.b64decode(fields["audio"], validate=True)
-        except (binascii.Error, ValueError):
-            raise ClipError("`audio` is not valid base64") from None
+        data = await off_loop_if_large(_b64decode, fields["audio"])
         name, text = fields.get("name"), fields.get("text")
-    else:
+    else:  # the body is the file itself: nothing to parse or decode here
         data, name, text = body, request.query_params.get("name"), request.query_params.get("text")
     if len(data) > limit:
         raise ClipError(f"the audio file is larger than {limit} bytes")

@@ -28,6 +28,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from engine.api import EngineInfo
 from gateway.auth import Authenticator, AuthError, Principal, authenticate
+from gateway.bodies import off_loop_if_large
 from gateway.compat.voices import VoiceAliases
 from gateway.messages import PacketHeader, encode, unpack_packet
 
@@ -275,6 +276,11 @@ class DialectSocket:
                 await self.on_text(text)
             elif data is not None:
                 await self.on_binary(data)
+
+
+async def read_frame(text: str) -> dict[str, Any] | None:
+    """A client frame as a JSON object, or None when it is not one (a large one parsed off the loop)."""
+    return await off_loop_if_large(parse_object, text)
 
 
 def parse_object(text: str) -> dict[str, Any] | None:

@@ -16,7 +16,6 @@ Credentials: `X-API-Key`, `Authorization: Bearer`, `?api_key=`, `?access_token=`
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, Final
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
+from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, read_frame
 from gateway.languages import normalise_language
 from gateway.messages import SAMPLE_RATES, PacketHeader
 
@@ -36,11 +35,6 @@ ENCODINGS: Final = {
     "pcm_alaw": "alaw",
 }
 BYTES_PER_SAMPLE: Final = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
-
-# a client frame up to this size is parsed on the event loop, where it takes microseconds (less
-# than the round trip to a thread); a larger one (max_message_bytes may admit megabytes) is parsed
-# in a thread, so the loop that carries every session's audio does not wait on it
-INLINE_FRAME_CHARS: Final = 16 * 1024
 
 
 class RequestError(Exception):
@@ -151,11 +145,7 @@ class CartesiaSocket(DialectSocket):
 
     # -- client -> native --------------------------------------------------------------------
     async def on_text(self, text: str) -> None:
-        request = (
-            parse_object(text)
-            if len(text) <= INLINE_FRAME_CHARS
-            else await asyncio.to_thread(parse_object, text)
-        )
+        request = await read_frame(text)
         if request is None:
             await self.error("invalid_request", "a message is a JSON object")
             return

@@ -22,7 +22,6 @@ timeline, otherwise each message's times count from where the previous message's
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from gateway.compat.alignment import CharTimeline
-from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
+from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, read_frame
 from gateway.compat.encoding import StreamEncoder
 from gateway.errors import CLOSE_POLICY
 from gateway.languages import normalise_language
@@ -41,11 +40,6 @@ from gateway.messages import SAMPLE_RATES, PacketHeader
 
 DEFAULT_FORMAT: Final = "mp3_44100_128"
 _FORMAT: Final = re.compile(r"^(pcm|ulaw|alaw|mp3|opus)_(\d+)(?:_(\d+))?$")
-
-# a client frame up to this size is parsed on the event loop, where it takes microseconds (less
-# than the round trip to a thread); a larger one (max_message_bytes may admit megabytes) is parsed
-# in a thread, so the loop that carries every session's audio does not wait on it
-INLINE_FRAME_CHARS: Final = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +127,7 @@ class ElevenLabsSocket(DialectSocket):
     async def on_text(self, text: str) -> None:
         if self.format is None:
             return  # refused at the start: the socket is closing
-        message = (
-            parse_object(text)
-            if len(text) <= INLINE_FRAME_CHARS
-            else await asyncio.to_thread(parse_object, text)
-        )
+        message = await read_frame(text)
         if message is None:
             await self.send_json({"error": "invalid_message", "message": "a message is a JSON object"})
             return

@@ -40,7 +40,7 @@ import numpy as np
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, parse_object
+from gateway.compat.bridge import Compat, DialectSocket, NativeLink, NativeMessage, read_frame
 from gateway.compat.encoding import CONTAINERS, Container, EncodingError, StreamEncoder, check_format
 from gateway.languages import normalise_language
 from gateway.messages import MESSAGE_REFUSED_CODES, SAMPLE_RATES, PacketHeader
@@ -52,11 +52,6 @@ MAX_QUEUED_UTTERANCES: Final = 256
 KNOWN_TASKS: Final = ("CustomVoice", "VoiceDesign", "Base")
 # the native refusals of one input.text while its utterance goes on (the rest of it is spoken)
 TEXT_REFUSALS: Final = frozenset({"text_too_long", "rate_limited", "utterance_closed"})
-
-# a client frame up to this size is parsed on the event loop, where it takes microseconds (less
-# than the round trip to a thread); a larger one (max_message_bytes may admit megabytes) is parsed
-# in a thread, so the loop that carries every session's audio does not wait on it
-INLINE_FRAME_CHARS: Final = 16 * 1024
 
 
 class ConfigError(Exception):
@@ -191,11 +186,7 @@ class VllmOmniSocket(DialectSocket):
     async def on_text(self, text: str) -> None:
         if self._close_requested:
             return  # vLLM-Omni reads nothing after session.close
-        message = (
-            parse_object(text)
-            if len(text) <= INLINE_FRAME_CHARS
-            else await asyncio.to_thread(parse_object, text)
-        )
+        message = await read_frame(text)
         if message is None:
             await self.error("Invalid JSON message")
             return

@@ -20,6 +20,8 @@ import pytest
 import soundfile as sf
 import websockets
 
+import gateway.bodies
+import gateway.compat.bridge
 import gateway.compat.cartesia
 import gateway.compat.elevenlabs
 import gateway.compat.vllm_omni
@@ -98,9 +100,9 @@ async def test_a_large_speech_body_is_parsed_while_the_loop_serves_others(
 ) -> None:
     clip = wav_clip_b64()
     body = json.dumps({"input": "Hello there.", "response_format": "pcm", "ref_audio": clip})
-    assert len(body) > gateway.rest.INLINE_BODY_BYTES
-    held = HeldParse(json.loads, hold_over=gateway.rest.INLINE_BODY_BYTES)
-    monkeypatch.setattr(gateway.rest, "json", SimpleNamespace(loads=held, dumps=json.dumps))
+    assert len(body) > gateway.bodies.INLINE_BYTES
+    held = HeldParse(json.loads, hold_over=gateway.bodies.INLINE_BYTES)
+    monkeypatch.setattr(gateway.bodies, "json", SimpleNamespace(loads=held, dumps=json.dumps))
     decoded: list[bool] = []
 
     def b64decode(data: Any, *args: Any, **kwargs: Any) -> bytes:
@@ -126,7 +128,7 @@ async def test_a_small_speech_body_is_parsed_on_the_loop(
     gw: RunningGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held = HeldParse(json.loads, hold_over=10**9)
-    monkeypatch.setattr(gateway.rest, "json", SimpleNamespace(loads=held, dumps=json.dumps))
+    monkeypatch.setattr(gateway.bodies, "json", SimpleNamespace(loads=held, dumps=json.dumps))
     async with httpx.AsyncClient(base_url=gw.http, timeout=30) as http:
         response = await http.post("/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"})
     assert response.status_code == 200, response.text
@@ -162,7 +164,7 @@ async def test_a_large_clip_that_is_not_base64_is_a_typed_400(gw: RunningGateway
 
 # -- dialect frames ---------------------------------------------------------------------------
 
-PAD = "x" * 20_000  # puts a frame over INLINE_FRAME_CHARS
+PAD = "x" * 20_000  # puts a frame over INLINE_BYTES
 
 
 def _is_vllm_voice_list(reply: dict[str, Any]) -> bool:
@@ -200,10 +202,10 @@ async def test_a_large_dialect_frame_is_parsed_while_the_loop_serves_others(
     frame: dict[str, Any],
     answered: Callable[[dict[str, Any]], bool],
 ) -> None:
-    held = HeldParse(parse_object, hold_over=module.INLINE_FRAME_CHARS)
-    monkeypatch.setattr(module, "parse_object", held)
+    held = HeldParse(parse_object, hold_over=gateway.bodies.INLINE_BYTES)
+    monkeypatch.setattr(gateway.compat.bridge, "parse_object", held)
     text = json.dumps({**frame, "pad": PAD})
-    assert module.INLINE_FRAME_CHARS < len(text) < 256 * 1024
+    assert gateway.bodies.INLINE_BYTES < len(text) < 256 * 1024
     async with websockets.connect(f"ws://127.0.0.1:{gw.port}{path}") as ws:
         await ws.send(text)
         await served_while_held(gw, held)
@@ -224,7 +226,7 @@ async def test_a_small_dialect_frame_is_parsed_on_the_loop(
     answered: Callable[[dict[str, Any]], bool],
 ) -> None:
     held = HeldParse(parse_object, hold_over=10**9)
-    monkeypatch.setattr(module, "parse_object", held)
+    monkeypatch.setattr(gateway.compat.bridge, "parse_object", held)
     text = json.dumps(frame)
     async with websockets.connect(f"ws://127.0.0.1:{gw.port}{path}") as ws:
         await ws.send(text)
