@@ -58,7 +58,7 @@ from engine.bridge import ChunkChannel
 
 MAX_ALIGNED_STREAMS = 1 << 16  # admission's upper bound; the measured cost is the real one
 SYNC_PACE_FIGURE = "admission_sync_streams"  # the wrapped engine's streams kept at the sync pace
-PACE_REFRESH_S = 0.1  # how often admission reads that figure from the wrapped engine's load
+PACE_REFRESH_S = 0.25  # the longest admission goes on one reading of that figure
 # Sync streams' audio chunks stop growing at 8 frames: a probe runs when a chunk arrives, and
 # releases only what two probes agree on, so 2-second chunks leave a listener with the first words'
 # audio and nothing until the next chunk (bench/sync_release_sim.py); the default schedule's larger
@@ -87,7 +87,7 @@ class AlignedStream(SynthesisStream):
         )
         self._channel = ChunkChannel(self._loop)
         self._held: list[TextSegment | None] = []  # text (None: its end) while no wrapped stream
-        self._jobs: list[AlignJob] = []  # submitted, not yet answered
+        self._jobs: list[AlignJob] = []  # submitted, neither answered nor cancelled
         self._aligned_to = 0  # utterance sample where the jobs submitted so far end
         self._cancelled = False
         self._ended = False  # its place in admission is given back
@@ -195,6 +195,9 @@ class AlignedStream(SynthesisStream):
             self.fail(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
 
     def _submit(self, job: AlignJob) -> None:
+        # a cancelled job (a probe whose segment was cut) may be dropped by the worker unanswered:
+        # it is let go of here, or its window would stay as long as the stream
+        self._jobs = [pending for pending in self._jobs if not pending.cancelled]
         self._jobs.append(job)
         fresh = max(0, job.window_end - max(job.window_start, self._aligned_to))
         self._aligned_to = max(self._aligned_to, job.window_end)
@@ -210,7 +213,7 @@ class AlignedStream(SynthesisStream):
 
     def _on_aligned(self, job: AlignJob, words: tuple[WordTiming, ...]) -> None:
         # an answered job is done with: its window's audio goes with it, however long the utterance
-        self._jobs = [pending for pending in self._jobs if pending is not job]
+        self._jobs = [pending for pending in self._jobs if pending is not job and not pending.cancelled]
         if self._cancelled:
             return
         out = self._tracker.on_aligned(job, words)
@@ -367,13 +370,20 @@ class AlignedEngine:
     def _sync_pace(self) -> int | None:
         """Aligned streams the wrapped engine keeps at the sync pace (at least one, so that a sync
         stream is never held back by nothing; None: the engine does not say)."""
-        now = self._loop.time() if self._loop is not None else 0.0
         read_at, pace = self._pace
-        if now - read_at >= PACE_REFRESH_S:
-            figure = self.inner.load().extra.get(SYNC_PACE_FIGURE)
-            off = sum(1 for stream in self._streams if stream.mode == "off")
-            pace = None if figure is None else max(1, int(figure) - off)
-            self._pace = (now, pace)
+        if self._now() - read_at >= PACE_REFRESH_S:
+            pace = self._note_pace(self.inner.load().extra)
+        return pace
+
+    def _now(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
+
+    def _note_pace(self, figures: dict[str, float]) -> int | None:
+        """The sync pace from the wrapped engine's figures, kept until PACE_REFRESH_S has passed."""
+        figure = figures.get(SYNC_PACE_FIGURE)
+        off = sum(1 for stream in self._streams if stream.mode == "off")
+        pace = None if figure is None else max(1, int(figure) - off)
+        self._pace = (self._now(), pace)
         return pace
 
     def note_mode(self, stream: AlignedStream) -> None:
@@ -473,6 +483,7 @@ class AlignedEngine:
 
     def load(self) -> EngineLoad:
         load = self.inner.load()
+        self._note_pace(load.extra)  # the worker reads load() often: admission need not read it again
         extra = dict(load.extra)
         capacity, figures, queued = load.capacity, load.admission, load.queued
         if self._worker is not None:
