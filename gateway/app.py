@@ -33,6 +33,7 @@ from gateway.auth import (
 from gateway.compat import Compat, compat_routes
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
+from gateway.engine_load import EngineLoadReader
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import ErrorMessage, encode
 from gateway.metrics import GatewayMetrics, admission_summary
@@ -128,6 +129,7 @@ class Gateway:
             self.engine, self.quotas = engine, Quotas(config.quota_limits)
             self.voices = VoiceRegistry(engine, config, config.voices_dir)
             self.sessions = set()
+        self.engine_load = EngineLoadReader(self.engine, self.metrics)
         self.engine_restarts = 0
         self.engine_problem: str | None = None  # why the engine is not ready, while it is not
         # utterance.interrupted -> session's webhook_url
@@ -198,10 +200,11 @@ class Gateway:
             self.ttfa_window.sample()  # keeps the one-minute TTFA window current between /v1/load calls
             if not self.ready or self.closing:
                 continue
-            try:
-                ready = self.engine.load().ready
-            except Exception as exc:  # a broken engine may fail to report at all
-                ready, self.engine_problem = False, f"load() failed: {exc.__class__.__name__}"
+            load = self.engine_load.read()  # a broken engine may fail to report at all
+            if load is None:
+                ready, self.engine_problem = False, f"load() failed: {self.engine_load.failure}"
+            else:
+                ready = load.ready
             if ready:
                 self.engine_problem = None
                 continue
@@ -218,40 +221,61 @@ class Gateway:
                 log.exception("engine restart failed; retrying")
 
     async def healthz(self, request: Request) -> Response:
+        """Liveness: the process answers (200); it reads neither the engine nor the store."""
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
         """Ready to serve (200) or not (503), and why; `store` is the shared store's state: a
-        replica whose store is unreachable still serves (degraded: 200, and says so)."""
-        load = self.engine.load()
-        ready = self.ready and load.ready and not self.closing
+        replica whose store is unreachable still serves (degraded: 200, and says so). An engine
+        whose load() fails is not ready: `reason` names the exception's class, and `active`,
+        `queued` and `capacity` are null."""
+        load = self.engine_load.read()
+        ready = self.ready and load is not None and load.ready and not self.closing
         body: dict[str, Any] = {
             "ready": ready,
             "engine": self.engine.info.name,
             "replica": self.config.replica_id,
-            "active": load.active,
-            "queued": load.queued,
-            "capacity": load.capacity,
+            "active": load.active if load is not None else None,
+            "queued": load.queued if load is not None else None,
+            "capacity": load.capacity if load is not None else None,
             "engine_restarts": self.engine_restarts,
             "store": self.cluster.store.state() if self.cluster is not None else {"state": "none"},
         }
         if not ready:
-            body["reason"] = (
-                "shutting down"
-                if self.closing
-                else self.engine_problem or ("starting" if not self.ready else "engine not ready")
-            )
+            if self.closing:
+                body["reason"] = "shutting down"
+            elif load is None:
+                body["reason"] = f"load() failed: {self.engine_load.failure}"
+            else:
+                body["reason"] = self.engine_problem or ("starting" if not self.ready else "engine not ready")
         return JSONResponse(body, 200 if ready else 503)
 
     async def metrics_page(self, request: Request) -> Response:
-        self.metrics.observe_engine(self.engine.load())
+        """Prometheus exposition. A failed load() leaves the engine's figures out of this scrape
+        (cadence_engine_load_failures_total counts it); the gateway's own metrics are all served."""
+        self.metrics.observe_engine(self.engine_load.read())
         self.metrics.observe_sessions([s.queued_bytes() for s in self.sessions], len(asyncio.all_tasks()))
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
     async def live_load(self, request: Request) -> Response:
-        """GET /v1/load: the engine's load figures and the gateway's, for the page's live panel."""
-        load = self.engine.load()
+        """GET /v1/load: the engine's load figures and the gateway's, for the page's live panel;
+        503 `engine_unavailable` (Retry-After: 1) while the engine's load() fails."""
+        load = self.engine_load.read()
+        if load is None:
+            message = f"the engine could not report its load ({self.engine_load.failure}); try again shortly"
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_unavailable",
+                    }
+                },
+                503,
+                headers={"Retry-After": "1"},
+            )
         ttfa_ms, ttfa_count = self.ttfa_window.p50_ms()
         utterances = self.metrics.registry.get_sample_value("cadence_active_utterances") or 0.0
         return JSONResponse(

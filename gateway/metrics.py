@@ -55,15 +55,17 @@ class GatewayMetrics:
         )
         self.active_sessions = Gauge("cadence_active_sessions", "Open WebSocket sessions", registry=r)
         self.active_utterances = Gauge("cadence_active_utterances", "Utterances in progress", registry=r)
-        self.engine_active = Gauge("cadence_engine_active", "Engine requests producing audio", registry=r)
-        self.engine_queue_depth = Gauge("cadence_engine_queue_depth", "Engine requests waiting", registry=r)
-        self.engine_capacity = Gauge(
-            "cadence_engine_capacity",
-            "Streams the engine admits now (its measured cost, within its bound)",
-            registry=r,
-        )
+        # the engine's load at the last observe_engine; None before one, or when load() failed
+        self.load: EngineLoad | None = None
+        r.register(_EngineLoadCollector(self))
         self.admission: AdmissionFigures | None = None  # the engine's, at the last observe_engine
         r.register(_AdmissionCollector(self))
+        self.engine_load_failures = Counter(
+            "cadence_engine_load_failures",
+            "Reads of the engine's load that failed (the gateway's once-a-second check, /metrics, "
+            "/readyz, /v1/load): the engine's figures are left out of a scrape whose read failed",
+            registry=r,
+        )
         self.errors = Counter("cadence_errors", "Error messages and responses, by code", ["code"], registry=r)
         self.utterances = Counter("cadence_utterances", "Utterances opened", ["endpoint"], registry=r)
         self.packets = Counter("cadence_packets_sent", "Audio packets sent on /v1/stream", registry=r)
@@ -95,12 +97,12 @@ class GatewayMetrics:
         """Serve `other`'s metrics with these (read at each scrape): a cluster's."""
         self.registry.register(_RegistryCollector(other))
 
-    def observe_engine(self, load: EngineLoad) -> None:
-        self.admission = load.admission
-        self.engine_active.set(load.active)
-        self.engine_queue_depth.set(load.queued)
-        self.engine_capacity.set(load.capacity)
-        self.figures = dict(load.extra)
+    def observe_engine(self, load: EngineLoad | None) -> None:
+        """What the engine reports now; None when its load() failed: then every series built from
+        its load leaves /metrics (none is current) until it reports again."""
+        self.load = load
+        self.admission = load.admission if load is not None else None
+        self.figures = dict(load.extra) if load is not None else {}
 
     def observe_sessions(self, queued_bytes: list[int], tasks: int) -> None:
         self.session_queue_bytes.set(sum(queued_bytes))
@@ -166,6 +168,26 @@ def admission_summary(figures: AdmissionFigures | None) -> dict[str, object] | N
     }
 
 
+class _EngineLoadCollector(Collector):
+    """The engine's counts (engine.api.EngineLoad) as they were at the last observe_engine, absent
+    when that read failed rather than its predecessor's values shown as current."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        load = self.metrics.load
+        if load is None:
+            return
+        yield GaugeMetricFamily("cadence_engine_active", "Engine requests producing audio", value=load.active)
+        yield GaugeMetricFamily("cadence_engine_queue_depth", "Engine requests waiting", value=load.queued)
+        yield GaugeMetricFamily(
+            "cadence_engine_capacity",
+            "Streams the engine admits now (its measured cost, within its bound)",
+            value=load.capacity,
+        )
+
+
 class _AdmissionCollector(Collector):
     """The engine's admission (engine.api.AdmissionFigures), as it was at the last observe_engine:
     its counts are the engine's own since start, so they are read, not re-counted here."""
@@ -213,8 +235,8 @@ class _AdmissionCollector(Collector):
 class _EngineFigureCollector(Collector):
     """The engine's figures (EngineLoad.extra) as they were at the last observe_engine. Read, not
     set on labelled gauges: a figure the engine no longer reports (a worker restarted, a percentile
-    with no samples left, one present only under load) must leave /metrics rather than repeat its
-    last value as if current."""
+    with no samples left, one present only under load), or every figure when its load() failed,
+    must leave /metrics rather than repeat its last value as if current."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
