@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,7 @@ from gateway.auth import (
 from gateway.compat import Compat, compat_routes
 from gateway.compat.voices import VoiceAliases
 from gateway.config import GatewayConfig
-from gateway.engine_load import EngineLoadReader
+from gateway.engine_load import RESTART_DELAY_MAX_S, RESTART_LOG_EVERY_S, EngineLoadReader, EngineOutage
 from gateway.errors import CLOSE_GOING_AWAY, CLOSE_POLICY
 from gateway.messages import ErrorMessage, encode
 from gateway.metrics import GatewayMetrics, admission_summary
@@ -192,33 +192,78 @@ class Gateway:
             return None
         return self.quotas
 
-    async def supervise_engine(self, period_s: float = 1.0) -> None:
+    async def supervise_engine(
+        self,
+        period_s: float = 1.0,
+        *,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Restart an engine that stops being ready (its worker died) while the gateway serves;
-        /readyz says 503 with the reason meanwhile, and counts the restarts."""
+        /readyz says 503 with the reason meanwhile, and counts the restarts. An engine that stays
+        not ready (an upstream that is down, a start() that raises) is restarted at once, then at
+        growing intervals (EngineOutage), so a long outage is neither hammered nor logged at every
+        attempt."""
+        outage: EngineOutage | None = None
+        name = self.engine.info.name
         while True:
-            await asyncio.sleep(period_s)
+            await sleep(period_s)
             self.ttfa_window.sample()  # keeps the one-minute TTFA window current between /v1/load calls
             if not self.ready or self.closing:
                 continue
             load = self.engine_load.read()  # a broken engine may fail to report at all
             if load is None:
-                ready, self.engine_problem = False, f"load() failed: {self.engine_load.failure}"
+                self.engine_problem = f"load() failed: {self.engine_load.failure}"
+            elif not load.ready:
+                self.engine_problem = "engine not ready"
             else:
-                ready = load.ready
-            if ready:
                 self.engine_problem = None
+                if outage is not None:
+                    log.info(
+                        "engine %s is ready again after %d restart attempts over %.0f s",
+                        name,
+                        outage.attempts,
+                        clock() - outage.since,
+                    )
+                    outage = None
                 continue
-            self.engine_problem = self.engine_problem or "engine not ready"
-            log.error(
-                "engine %s is not ready (%s): restarting it", self.engine.info.name, self.engine_problem
-            )
+            now = clock()
+            if outage is None:
+                outage = EngineOutage(since=now, next_attempt_at=now, logged_at=now)
+                log.error(
+                    "engine %s is not ready (%s): restarting it, then at growing intervals (at most %.0f s)"
+                    " while it stays so",
+                    name,
+                    self.engine_problem,
+                    RESTART_DELAY_MAX_S,
+                )
+            elif now < outage.next_attempt_at:
+                continue
+            elif now - outage.logged_at >= RESTART_LOG_EVERY_S:
+                outage.logged_at = now
+                log.error(
+                    "engine %s is still not ready (%s): %d restart attempts over %.0f s (%d failed);"
+                    " restarting it again",
+                    name,
+                    self.engine_problem,
+                    outage.attempts,
+                    now - outage.since,
+                    outage.failed,
+                    exc_info=outage.last_error,
+                )
+            error: Exception | None = None
             try:
                 await self.engine.stop()
                 await self.engine.start()
+            except Exception as exc:
+                error = exc
+            else:
                 self.engine_restarts += 1
                 self.metrics.engine_restarts.inc()
-            except Exception:
-                log.exception("engine restart failed; retrying")
+            # a start can take long (workers loading a model): the next attempt waits from its end
+            delay_s = outage.attempted(clock(), error)
+            if error is not None and outage.failed == 1:  # later failures are counted in the lines above
+                log.error("engine %s: restart failed; retrying in %.0f s", name, delay_s, exc_info=error)
 
     async def healthz(self, request: Request) -> Response:
         """Liveness: the process answers (200); it reads neither the engine nor the store."""

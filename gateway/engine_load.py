@@ -1,10 +1,12 @@
-"""Reading the engine's load for the routes and the supervisor, through a failing engine too."""
+"""Reading the engine's load for the routes and the supervisor, through a failing engine too, and
+the supervisor's restarts of an engine that stays not ready."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.api import Engine, EngineLoad
 from gateway.metrics import GatewayMetrics
@@ -77,3 +79,35 @@ class EngineLoadReader:
                 now - self._failing_since,
                 exc_info=exc,
             )
+
+
+RESTART_DELAY_FIRST_S = 1.0
+RESTART_DELAY_MAX_S = 30.0
+RESTART_LOG_EVERY_S = 60.0
+
+
+@dataclass
+class EngineOutage:
+    """The supervisor's restarts while the engine stays not ready: each failed attempt (the engine
+    is not ready after it, or its start() raised) doubles the wait before the next, from
+    RESTART_DELAY_FIRST_S up to RESTART_DELAY_MAX_S; an outage that lasts is logged at most once
+    every RESTART_LOG_EVERY_S."""
+
+    since: float
+    next_attempt_at: float
+    logged_at: float
+    delay_s: float = RESTART_DELAY_FIRST_S
+    attempts: int = 0
+    failed: int = 0  # attempts whose stop() or start() raised
+    last_error: Exception | None = None  # the last attempt's, when it raised
+
+    def attempted(self, now: float, error: Exception | None) -> float:
+        """Count an attempt that ended at `now` (raising `error`, if not None); the wait before
+        the next one."""
+        self.attempts += 1
+        self.failed += error is not None
+        self.last_error = error
+        delay_s = self.delay_s
+        self.next_attempt_at = now + delay_s
+        self.delay_s = min(2 * delay_s, RESTART_DELAY_MAX_S)
+        return delay_s

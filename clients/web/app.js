@@ -398,6 +398,10 @@ const fmtNum = (v) => (typeof v === "number" && Number.isFinite(v) ? `${Math.rou
 
 function showLoad(body) {
   const e = body.engine, g = body.gateway, f = e.figures || {};
+  state.loadUnavailable = null;
+  $("load-panel").dataset.state = "live";
+  $("load-unavailable").hidden = true;
+  $("load-unavailable").textContent = "";
   $("load-ttfa").textContent = fmtMs(g.ttfa_p50_ms);
   $("load-engine-ttfa").textContent = fmtMs(f.ttfa_p50_ms);
   $("load-active").textContent = `${e.active} / ${e.capacity}`;
@@ -414,15 +418,41 @@ function showLoad(body) {
   $("load-updated").textContent = new Date().toLocaleTimeString();
 }
 
+// No current figures (503 engine_unavailable while the engine cannot report its load, another
+// refusal, or no answer): the last ones are cleared rather than shown as if current, and the panel
+// says why until an answer with figures comes.
+function showLoadUnavailable(text) {
+  state.load = null;
+  state.loadUnavailable = text;
+  $("load-panel").dataset.state = "unavailable";
+  for (const dd of $("load-panel").querySelectorAll("dd")) dd.textContent = "–";
+  $("load-unavailable").textContent = text;
+  $("load-unavailable").hidden = false;
+  $("load-updated").textContent = new Date().toLocaleTimeString();
+}
+
 async function pollLoad() {
+  let response;
   try {
     const token = new URLSearchParams(location.search).get("token");
-    const response = await fetch("/v1/load", token ? { headers: { Authorization: `Bearer ${token}` } } : {});
-    if (!response.ok) return;
-    state.load = await response.json();
+    response = await fetch("/v1/load", token ? { headers: { Authorization: `Bearer ${token}` } } : {});
+  } catch (e) {
+    showLoadUnavailable("Server unreachable");
+    return;
+  }
+  let body = null;
+  try { body = await response.json(); } catch (e) { /* not JSON: the status says enough */ }
+  if (response.ok && body && body.engine) {
+    state.load = body;
     state.loadPolls = (state.loadPolls || 0) + 1;
-    showLoad(state.load);
-  } catch (e) { /* the panel keeps its last figures */ }
+    showLoad(body);
+    return;
+  }
+  const error = (body && typeof body.error === "object" && body.error) || {};
+  const detail = typeof error.message === "string" ? `: ${error.message}` : "";
+  showLoadUnavailable(error.code === "engine_unavailable"
+    ? `Engine unavailable${detail}`
+    : `Server answered ${response.status}${detail}`);
 }
 
 for (const language of LANGUAGES) $("language").add(new Option(language, language));
