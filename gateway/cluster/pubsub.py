@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from gateway.cluster.store import Store, is_outage
+from gateway.cluster.store import Store, delivering_cancellation, is_outage
 
 log = logging.getLogger("cadence.redis")
 
@@ -29,8 +29,9 @@ async def listen_forever(
         await store.wait_up()
         pubsub = store.client.pubsub()
         try:
-            async with asyncio.timeout(store.timeout_s):
-                await pubsub.subscribe(*channels)
+            with delivering_cancellation():  # SUBSCRIBE is written as every command is
+                async with asyncio.timeout(store.timeout_s):
+                    await pubsub.subscribe(*channels)
             subscribed.set()
             if lost:
                 lost = False

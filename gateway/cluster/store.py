@@ -12,6 +12,9 @@ and a timeout.
 
 Each transition is logged once (not once per failed command), `cadence_store_breaker_state` says
 where the breaker is (0 closed, 1 open), and `Store.state()` is what `/readyz` shows.
+
+A task cancelled while it sends a command ends, whenever the cancellation lands: see
+`delivering_cancellation`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,25 @@ _patience: contextvars.ContextVar[float | None] = contextvars.ContextVar("store_
 
 class StoreUnavailable(ConnectionError):
     """The shared store cannot be used now: the breaker is open, or this command failed."""
+
+
+@contextlib.contextmanager
+def delivering_cancellation() -> Iterator[None]:
+    """Raise CancelledError on leaving the block when the task was cancelled within it and the
+    block returned (or failed otherwise) instead. redis-py writes each command inside
+    asyncio.wait_for, and Python 3.11's wait_for returns the write's result when a cancellation
+    lands as the write finishes, leaving it undelivered: a background loop cancelled at that moment
+    (a shutdown, more often on a loaded machine) would otherwise run on for good."""
+    task = asyncio.current_task()
+    requested = task.cancelling() if task is not None else 0
+    try:
+        yield
+    except Exception as exc:
+        if task is not None and task.cancelling() > requested:
+            raise asyncio.CancelledError from exc
+        raise
+    if task is not None and task.cancelling() > requested:
+        raise asyncio.CancelledError
 
 
 def is_outage(exc: BaseException) -> bool:
@@ -148,16 +170,20 @@ class Store:
         """`operation()` (Redis commands) through the breaker, within the command deadline."""
         self.check()
         patience = _patience.get()
-        try:
-            async with asyncio.timeout(patience or self.timeout_s):
-                if patience is None:
-                    return await operation()
-                return await self._unless_tripped(operation)
-        except Exception as exc:
-            if not is_outage(exc):
-                raise
-            self.trip(exc)
-            raise StoreUnavailable(f"the shared store is unreachable ({describe(exc)})") from exc
+        # outside the deadline's scope, which takes back its own cancellation on leaving
+        with delivering_cancellation():
+            try:
+                async with asyncio.timeout(patience or self.timeout_s):
+                    if patience is None:
+                        return await operation()
+                    return await self._unless_tripped(operation)
+            except StoreUnavailable:
+                raise  # the breaker opened meanwhile (_unless_tripped), and said so
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                self.trip(exc)
+                raise StoreUnavailable(f"the shared store is unreachable ({describe(exc)})") from exc
 
     async def execute(self, pipe: Pipeline) -> list[Any]:
         """A pipeline's commands through the breaker; the pipeline is released either way."""
@@ -180,16 +206,19 @@ class Store:
         finally:
             tripped.cancel()
             if not work.done():
+                # it ends on a later pass of the loop: its outcome is of no use by then
                 work.cancel()
-        if work.cancelled():
+                work.add_done_callback(_dropped)
+        if not work.done():
             raise StoreUnavailable(f"the shared store is unreachable ({self.reason})")
         return work.result()
 
     async def probe(self) -> bool:
         """One PING past the breaker: True (and the breaker closed) when the store answers."""
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await self.client.unguarded("PING")
+            with delivering_cancellation():
+                async with asyncio.timeout(self.timeout_s):
+                    await self.client.unguarded("PING")
         except Exception as exc:
             # an error instead of PONG (BUSY: a long script; MASTERDOWN) is a store that cannot
             # serve either, and must not end the watch that closes the breaker once it can
@@ -229,6 +258,12 @@ class Store:
                 await task
         with contextlib.suppress(Exception):
             await self.client.aclose()
+
+
+def _dropped(task: asyncio.Future[Any]) -> None:
+    """Reads the outcome of a command given up on, so that asyncio does not report it as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def describe(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ counts, share the character budget, and are exact again after the store lost eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.cluster.quotas import SharedQuotas
 from gateway.cluster.store import Store, StoreUnavailable
+from gateway.cluster.voices import WRITE_TIMEOUT_S, SharedVoiceRegistry
 from gateway.config import GatewayConfig
 from gateway.quotas import QuotaExceeded, QuotaLimits, RateLimited
 from tests.fakes import FakeEngine
@@ -106,6 +108,42 @@ async def test_a_hung_store_opens_the_breaker_within_the_command_deadline(redis_
         assert await store.probe() and await store.client.ping()
     finally:
         redis_server.resume_redis()
+        await store.close()
+
+
+async def test_a_voice_written_as_the_store_hangs_is_kept_here(redis_server: Cluster) -> None:
+    """The clip's write (a command with a longer deadline) is on its way to a store that hangs
+    when the breaker opens (another command's deadline ran out): the write gives up then, and the
+    registration succeeds here, as one made while the store is away does."""
+    store = Store(redis_server.redis_url)
+    registry = SharedVoiceRegistry(
+        FakeEngine(), GatewayConfig(redis_url=redis_server.redis_url), store, "cadence:"
+    )
+    unguarded = store.client.unguarded
+    writing = asyncio.Event()
+
+    async def watched(*args: Any, **options: Any) -> Any:
+        if args[0] == "HSET":
+            writing.set()
+        return await unguarded(*args, **options)
+
+    store.client.unguarded = watched  # type: ignore[method-assign]
+    adding: asyncio.Task[Any] | None = None
+    try:
+        redis_server.pause_redis()
+        adding = asyncio.create_task(registry.add("k", "Grace", "hello", clip()))
+        await asyncio.wait_for(writing.wait(), 5)
+        store.trip(TimeoutError())
+        # far less than the write's own deadline, WRITE_TIMEOUT_S, which it must not wait for
+        async with asyncio.timeout(WRITE_TIMEOUT_S / 2):
+            voice, _ = await adding
+        assert registry.get(voice.voice_id) is voice
+    finally:
+        redis_server.resume_redis()
+        if adding is not None:
+            adding.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await adding
         await store.close()
 
 

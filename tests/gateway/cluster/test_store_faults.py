@@ -3,7 +3,11 @@ sessions) and a real redis-server on loopback that is hung (SIGSTOP), killed and
 restarted empty. While it is away the streams go on without a gap, new sessions get audio, the
 probes answer at once, cross-replica operations answer 503 with a reason, nothing answers a bare
 500, and each transition is logged once; once it is back the quota counters are exact again
-within a second and no voice is lost."""
+within a second and no voice is lost.
+
+Each latency bound is what the fault may add to the worst the same measurement took, in the same
+run and under the same workload, with the store present: a loaded machine (CI runs the whole suite
+on 2 cores) slows both alike, while a stall the store causes shows in the fault alone."""
 
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ KEY_ID = "ops"
 STREAMS_PER_REPLICA = 3
 # ~30 s of audio from the null engine: every workload utterance is still in progress at the end
 LONG_TEXT = "Audio keeps flowing to the listener while the shared store is away. " * 6
-FAULT_S = 2.0  # how long the store stays away in each test
+FAULT_S = 2.0  # how long the store stays away in each test (and how long the baseline runs)
+# what the store's absence may add to the baseline's worst (a packet is due every 20 ms)
 MAX_GAP_S = 0.25
 FIRST_AUDIO_S = 1.0
 HEALTHZ_S = 0.1
@@ -97,8 +102,8 @@ class Stream:
                     if message["type"] == "error":
                         self.errors.append(message)
 
-    def largest_gap(self, since: float) -> float:
-        times = [t for t in self.arrivals if t >= since]
+    def largest_gap(self, since: float, until: float = float("inf")) -> float:
+        times = [t for t in self.arrivals if since <= t <= until]
         return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
 
 
@@ -130,30 +135,50 @@ async def streams(c: Cluster, key: str) -> AsyncIterator[list[Stream]]:
                 await stream.task
 
 
+def worst(times: list[float]) -> float:
+    return max(times, default=0.0)
+
+
 @dataclass
 class Probes:
-    """What clients saw while the store was away (and around it)."""
+    """What clients saw while the store was away (and around it), or, as the baseline, while it
+    was present."""
 
     statuses: list[tuple[str, int, str]] = field(default_factory=list)
     healthz_s: list[float] = field(default_factory=list)
     first_audio: list[tuple[float, str]] = field(default_factory=list)
     cross_replica_503_s: list[float] = field(default_factory=list)
     voices: list[str] = field(default_factory=list)
+    cross_replica_s: list[float] = field(default_factory=list)  # GET /v1/cluster, whatever it answered
 
     def saw(self, what: str, response: httpx.Response) -> None:
         self.statuses.append((what, response.status_code, response.text))
 
-    def check(self) -> None:
+    def check(self, baseline: Probes) -> None:
         bare = [s for s in self.statuses if s[1] >= 500 and s[1] != 503]
         assert not bare, f"answers that are neither a result nor a clear 503: {bare}"
         for what, status, text in self.statuses:
             if status == 503 and what != "readyz":
                 error = json.loads(text)["error"]
                 assert error["code"] == "store_unavailable" and "unreachable" in error["message"], text
-        assert len(self.healthz_s) > 10 and max(self.healthz_s) < HEALTHZ_S, sorted(self.healthz_s)[-5:]
+        healthz_limit = HEALTHZ_S + worst(baseline.healthz_s)
+        assert len(self.healthz_s) > 10 and max(self.healthz_s) < healthz_limit, (
+            sorted(self.healthz_s)[-5:],
+            healthz_limit,
+        )
         assert self.first_audio and all(kind in ("audio", "error") for _, kind in self.first_audio)
-        assert max(dt for dt, _ in self.first_audio) < FIRST_AUDIO_S, self.first_audio
-        assert self.cross_replica_503_s and max(self.cross_replica_503_s) < CROSS_REPLICA_503_S
+        first_audio_limit = FIRST_AUDIO_S + worst([dt for dt, _ in baseline.first_audio])
+        assert max(dt for dt, _ in self.first_audio) < first_audio_limit, (
+            self.first_audio,
+            first_audio_limit,
+        )
+        # the store present, GET /v1/cluster takes two round trips to it: the baseline's allowance
+        # for the machine is on the generous side of what a 503 without any needs
+        cross_replica_limit = CROSS_REPLICA_503_S + worst(baseline.cross_replica_s)
+        assert self.cross_replica_503_s and max(self.cross_replica_503_s) < cross_replica_limit, (
+            self.cross_replica_503_s,
+            cross_replica_limit,
+        )
 
 
 @contextlib.contextmanager
@@ -212,7 +237,9 @@ async def probe_while(
             n += 1
             probes.saw("readyz", await http.get(f"{replica.http}/readyz"))
             probes.saw("metrics", await http.get(f"{replica.http}/metrics", headers=headers(key)))
+            started = time.monotonic()
             probes.saw("cluster", await http.get(f"{replica.http}/v1/cluster", headers=headers(key)))
+            probes.cross_replica_s.append(time.monotonic() - started)
             interrupt = await http.post(
                 f"{replica.http}/v1/utterances/nobody-{n}/interrupt", json={}, headers=headers(key)
             )
@@ -326,16 +353,23 @@ class Logs:
 async def fault(
     c: Cluster, key: str, away: Callable[[], None], back: Callable[[], None], expect_lost_subscription: bool
 ) -> None:
-    """The shared scenario: streams playing, the store taken `away` for FAULT_S while every probe
-    runs, then `back`; checks what clients saw, the counters, the voices and the logs."""
+    """The shared scenario: streams playing and every probe running for FAULT_S with the store
+    present (the baseline), then the store taken `away` for FAULT_S with the same probes, then
+    `back`; checks what clients saw, the counters, the voices and the logs."""
     logs = Logs(c)
     probes = Probes()
+    baseline = Probes()
     async with httpx.AsyncClient(timeout=5) as http, streams(c, key) as playing:
         expected = (len(playing), len(playing))
         await exact_within(c, expected, time.monotonic())  # the store counts right before the fault
         await register_voice(c, key, http, probes, "before")
         voices = await stored_voices(c)  # this test's and the earlier tests'
+        calm = time.monotonic()
+        with health_checked(c, baseline):
+            await probe_while(c, key, http, baseline, lambda: time.monotonic() > calm + FAULT_S)
         since = time.monotonic()
+        baseline_gap = worst([s.largest_gap(calm, since) for s in playing])
+        assert not [s for s in baseline.statuses if s[1] >= 500], baseline.statuses  # the store is present
         with health_checked(c, probes):
             await asyncio.to_thread(away)  # blocking calls: off the loop that reads the streams
             ends = time.monotonic() + FAULT_S
@@ -360,9 +394,9 @@ async def fault(
                     await asyncio.sleep(0.02)
         gaps = [s.largest_gap(since) for s in playing]
         errors = [e for s in playing for e in s.errors]
-    assert max(gaps) < MAX_GAP_S, gaps
+    assert max(gaps) < MAX_GAP_S + baseline_gap, (gaps, baseline_gap)
     assert not errors, errors
-    probes.check()
+    probes.check(baseline)
     # each replica said it once, and once that the store was back
     assert logs.lines("shared store unreachable") == [1, 1]
     assert logs.lines("shared store reachable again") == [1, 1]

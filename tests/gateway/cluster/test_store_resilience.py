@@ -1,7 +1,8 @@
 """The cluster's background work outlives the store's faults, in this process against a real
 redis-server on loopback: the pub/sub listener survives a store that answers its SUBSCRIBE with an
 error, a link's pinger survives a failed PUBLISH, the FLAC codec of a voice's clip runs off the
-event loop, and characters spent while a quota write fails reach the shared budget later."""
+event loop, characters spent while a quota write fails reach the shared budget later, and each
+background loop ends when cancelled, even as a command's write finishes (a shutdown)."""
 
 from __future__ import annotations
 
@@ -199,6 +200,83 @@ async def test_a_voice_clip_is_encoded_and_decoded_off_the_event_loop(
     assert np.array_equal(there.get(added[0]).audio, here.get(added[0]).audio)  # type: ignore[union-attr]
     assert add_stall < encode_s / 2, (add_stall, encode_s)
     assert fetch_stall < decode_s / 2, (fetch_stall, decode_s)
+
+
+def cancel_as_written(
+    monkeypatch: pytest.MonkeyPatch, store: Store, command: bytes
+) -> list[asyncio.Task[Any]]:
+    """The first task put in the returned list is cancelled just as the store's client finishes
+    writing `command`. redis-py writes each command inside asyncio.wait_for, and Python 3.11's
+    wait_for then returns as if nothing happened, leaving the cancellation undelivered: a loaded
+    machine hits that moment now and then (a shutdown that never ends); here it is hit each time."""
+    targets: list[asyncio.Task[Any]] = []
+    connection_class = store.client.connection_pool.connection_class
+    send = connection_class._send_packed_command
+
+    async def sending(self: Any, parts: Any) -> None:
+        parts = list(parts)
+        await send(self, parts)
+        if targets and command in b"".join(parts):
+            targets.pop().cancel()
+
+    monkeypatch.setattr(connection_class, "_send_packed_command", sending)
+    return targets
+
+
+async def ends_when_cancelled(task: asyncio.Task[Any]) -> None:
+    """`task` (cancelled by its command's write) ends as cancelled; one that goes on is stopped."""
+    try:
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert task in done, "the cancelled task goes on"
+        assert task.cancelled(), task.result()
+    finally:
+        task.cancel()  # one that lost its cancellation takes a second one
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 2)
+
+
+async def test_the_store_watch_ends_when_cancelled_as_its_probe_is_written(
+    redis_server: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(redis_server.redis_url, probe_s=0.05)
+    cancel_on_ping = cancel_as_written(monkeypatch, store, b"PING")
+    try:
+        watcher = asyncio.create_task(store.watch())
+        cancel_on_ping.append(watcher)
+        await ends_when_cancelled(watcher)
+    finally:
+        await store.close()
+
+
+async def test_the_quota_writer_ends_when_cancelled_as_its_write_is_sent(
+    redis_server: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guarded command (the writer's pipeline, through the breaker) cancelled as it is sent."""
+    store = Store(redis_server.redis_url, probe_s=0.05)
+    quotas = SharedQuotas(store, "a", QuotaLimits(sessions=10))
+    cancel_on_write = cancel_as_written(monkeypatch, store, b"MULTI")
+    try:
+        writer = asyncio.create_task(quotas.run())
+        cancel_on_write.append(writer)
+        quotas.open_session("k")  # a change: the writer sends it
+        await ends_when_cancelled(writer)
+    finally:
+        await store.close()
+
+
+async def test_a_listener_ends_when_cancelled_as_its_subscribe_is_written(
+    redis_server: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(redis_server.redis_url, probe_s=0.05)
+    cancel_on_subscribe = cancel_as_written(monkeypatch, store, b"SUBSCRIBE")
+    try:
+        listener = asyncio.create_task(
+            listen_forever(store, ["chan"], lambda _channel, _data: None, asyncio.Event(), "test")
+        )
+        cancel_on_subscribe.append(listener)
+        await ends_when_cancelled(listener)
+    finally:
+        await store.close()
 
 
 @pytest.mark.parametrize("fault", ["down", "refusing"])
