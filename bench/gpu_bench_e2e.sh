@@ -8,7 +8,8 @@
 #              reference-SIZE.json in OUTDIR instead of running the reference again), SERVE_ARGS
 #              (more `cadence serve` flags, e.g. "--gpus 0": the engine in the gateway's process),
 #              MAX_STREAMS (auto: the KV budget's slots, admission by measured cost within them; e.g. CONC=1,256,512,capacity,1.5x,2x sweeps to twice the capacity),
-#              PORT (8765), TAG (output names: bench-TAG.json; the size by default), PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load)
+#              PORT (8765), TAG (output names: bench-TAG.json; the size by default), PYSPY_AT / PYSPY_FOR (sample the server's Python stacks with py-spy during the load),
+#              WARMUP_SECONDS (5: load before each point's measurement)
 set -u
 cd "$(dirname "$0")/.."
 SIZE="${SIZE:-1.7B}"; CONC="${CONC:-1,64,256,512}"; SECONDS_PER_POINT="${POINT_SECONDS:-20}"  # not SECONDS: bash counts time in it
@@ -42,10 +43,12 @@ if [ -n "${PYSPY_AT:-}" ]; then  # sample the server's stacks (all processes) fo
      --format raw -o "$OUTDIR/pyspy-$tag.txt" > "$OUTDIR/pyspy-$tag.log" 2>&1) &
 fi
 timeout 420 $PY -m cadence.cli bench --url "ws://127.0.0.1:$PORT/v1/stream" --concurrency "$CONC" \
-  --min-seconds "$SECONDS_PER_POINT" --max-seconds "$((SECONDS_PER_POINT + 15))" --warmup-seconds 5 \
+  --min-seconds "$SECONDS_PER_POINT" --max-seconds "$((SECONDS_PER_POINT + 15))" --warmup-seconds "${WARMUP_SECONDS:-5}" \
   --voice ryan --language English --model-shapes "$SIZE" --metrics-url "http://127.0.0.1:$PORT/metrics" \
   -o "$OUTDIR/bench-$tag.json" 2>&1 | grep -v "━" | tail -25
-kill -INT $server; sleep 3; kill -9 $server 2>/dev/null
+kill -INT $server
+for _ in $(seq 30); do kill -0 $server 2>/dev/null || break; sleep 0.1; done  # a clean stop, 3 s at most
+kill -9 $server 2>/dev/null
 tail -5 "$OUTDIR/serve-$tag.log"
 [ -n "${SKIP_REF:-}" ] || timeout 150 $PY bench/reference_bench.py --model "$CKPT" --batches "$REF_BATCHES" --frames "$REF_FRAMES" \
   --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \

@@ -104,6 +104,7 @@ def test_gpu_ab_serves_each_tree_in_turn_on_a_cpu(tmp_path: Path):
         "CKPT": str(tmp_path / "ckpt"),
         "CONC": "1",
         "POINT_SECONDS": "1",
+        "WARMUP_SECONDS": "1",
         "ORDER": "base new",
         "EACH": "240",
         "PORT": "8797",
