@@ -35,7 +35,7 @@ class Admission(ProtocolState):
         if voice is not None and self.voice_usable is not None and not self.voice_usable(voice):
             raise ProtocolError("unknown_voice", f"unknown voice {voice!r}", uid)
         if self.utterances_opened >= self.config.max_utterances_per_session:
-            # no retry hint: the count never goes down within this session
+            # no retry hint: a connection's count of utterances only grows, so no wait lets this one in
             raise QuotaExceeded(
                 f"at most {self.config.max_utterances_per_session} utterances per session",
                 uid,
