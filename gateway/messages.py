@@ -10,6 +10,7 @@ are audio packets: a 12-byte little-endian header (`PacketHeader`) and the paylo
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,12 @@ ErrorCode = Literal[
 MESSAGE_REFUSED_CODES: Final[frozenset[ErrorCode]] = frozenset(
     {"text_too_long", "rate_limited", "utterance_closed", "not_paused", "utterance_exists", "invalid_message"}
 )
+
+
+def whole_ms(seconds: float) -> int:
+    """A wait as `retry_after_ms`: whole ms, rounded up, so a client that waits exactly this long is
+    not early (the inner round keeps float noise, 700.0000000001, from adding a millisecond)."""
+    return max(0, math.ceil(round(1000 * seconds, 6)))
 
 
 class ProtocolError(Exception):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Final
 
-from gateway.messages import ErrorCode, ProtocolError
+from gateway.messages import ErrorCode, ProtocolError, whole_ms
 
 # error codes of the limits
 RATE_LIMITED: Final[ErrorCode] = "rate_limited"
@@ -46,11 +46,7 @@ class QuotaError(ProtocolError):
 
     @property
     def retry_after_ms(self) -> int | None:
-        """`retry_after_s` in whole ms, rounded up: a client that waits exactly this long is not
-        early (the inner round keeps float noise, 700.0000000001, from adding a millisecond)."""
-        if self.retry_after_s is None:
-            return None
-        return max(0, math.ceil(round(1000 * self.retry_after_s, 6)))
+        return None if self.retry_after_s is None else whole_ms(self.retry_after_s)
 
     @property
     def retry_after_header(self) -> str | None:

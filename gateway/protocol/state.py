@@ -13,7 +13,16 @@ from collections.abc import Callable
 from engine.api import EngineInfo
 from gateway.config import GatewayConfig
 from gateway.errors import CLOSE_NORMAL
-from gateway.messages import Alignment, ErrorCode, ErrorMessage, Pacing, ProtocolError, Timestamps, Word
+from gateway.messages import (
+    Alignment,
+    ErrorCode,
+    ErrorMessage,
+    Pacing,
+    ProtocolError,
+    Timestamps,
+    Word,
+    whole_ms,
+)
 from gateway.packets import OutputFormat, Packetiser
 from gateway.protocol.actions import Action, Close, SendControl, SendTrailer
 from gateway.protocol.utterance import Status, Utterance
@@ -144,27 +153,19 @@ class ProtocolState:
         return [Close(code, reason)]
 
     def _error(
-        self,
-        code: ErrorCode,
-        message: str,
-        utterance_id: str | None = None,
-        retry_after: float | None = None,
-        *,
-        retry_after_ms: int | None = None,
+        self, code: ErrorCode, message: str, utterance_id: str | None = None, retry_after: float | None = None
     ) -> SendControl:
         error: ErrorMessage = {"type": "error", "code": code, "message": message}
         if utterance_id is not None and _is_utf8(utterance_id):  # a lone surrogate cannot go on the wire
             error["utterance_id"] = utterance_id
         if retry_after is not None:
-            error["retry_after_ms"] = round(1000 * retry_after)
-        if retry_after_ms is not None:
-            error["retry_after_ms"] = retry_after_ms
+            error["retry_after_ms"] = whole_ms(retry_after)
         return SendControl(error)
 
     def _refusal(self, exc: ProtocolError) -> SendControl:
         """The `error` for a refused message; a quota's says when a retry may be accepted."""
-        retry_ms = exc.retry_after_ms if isinstance(exc, QuotaError) else None
-        return self._error(exc.code, exc.message, exc.utterance_id, retry_after_ms=retry_ms)
+        retry_after = exc.retry_after_s if isinstance(exc, QuotaError) else None
+        return self._error(exc.code, exc.message, exc.utterance_id, retry_after)
 
 
 def _spent(packetiser: Packetiser) -> Packetiser:
