@@ -14,7 +14,7 @@ time: their audio goes out word by word as probes of each new chunk time it, so 
 only the words released so far until the next chunk's probe. Below about three times real time the
 first words' audio runs out before the next release comes (bench/sync_release_sim.py), so
 `sync_capacity` is the streams whose step stays within `SYNC_HEADROOM` of a frame, which the aligned
-engine's admission holds to while a sync stream is admitted.
+engine's admission holds to while a sync stream holds or awaits a place.
 """
 
 from __future__ import annotations
